@@ -1,0 +1,13 @@
+"""lightning-zero: ZeRO stages 1-3 for PyTorch Lightning, in pure PyTorch."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zero.core.memory import MemoryReport
+from lightning_zero.monitor import ZeroMonitor
+from lightning_zero.precision import ZeroPrecision
+from lightning_zero.strategy import ZeroStrategy
+
+__version__ = "0.1.0"
+__all__ = ["MemoryReport", "ZeroMonitor", "ZeroPrecision", "ZeroStrategy", "__version__"]
+
+ZeroStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,115 @@
+"""ZeroConfig: every ZeroStrategy option in one frozen dataclass, checked once at construction.
+
+This module imports nothing but the standard library so that every layer (the Lightning glue, the
+checkpoint code and the sharding core) can share one option type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+Offload = Literal[False, "cpu", "nvme"]
+
+STAGES = (1, 2, 3)
+OFFLOAD_TARGETS = (False, "cpu", "nvme")
+PARTITIONS = ("flat", "parameter")
+STATE_DICT_TYPES = ("sharded", "full")
+START_METHODS = ("popen", "spawn", "fork")
+BACKENDS = ("nccl", "gloo")
+
+# Options that the contract names and the core does not implement yet; each maps to the issue that
+# builds it, so the error can say so instead of silently ignoring the option.
+_NOT_YET_BUILT = {
+    "stage=3": "#3",
+    "offload_optimizer": "the offload issue",
+    "offload_params": "the offload issue",
+    "partition='parameter'": "the whole-tensor owners issue",
+    "shard_size": "the hybrid sharding issue",
+    "activation_checkpointing": "#3",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroConfig:
+    """The options of :class:`~lightning_zero.ZeroStrategy` that shape sharding (see CONTRACT.md)."""
+
+    stage: int = 2
+    offload_optimizer: Offload = False
+    offload_params: Offload = False
+    nvme_path: str | None = None
+    partition: str = "flat"
+    bucket_cap_mb: float = 25
+    overlap_comm: bool = True
+    shard_size: int | None = None
+    wrap_policy: Any = None
+    activation_checkpointing: Any = None
+    state_dict_type: str = "sharded"
+    process_group_backend: str | None = None
+    timeout: timedelta = field(default_factory=lambda: timedelta(minutes=30))
+
+    def __post_init__(self) -> None:
+        _check_choice("stage", self.stage, STAGES, "ZeroStrategy(stage=2)")
+        _check_choice("offload_optimizer", self.offload_optimizer, OFFLOAD_TARGETS, "offload_optimizer='cpu'")
+        _check_choice("offload_params", self.offload_params, OFFLOAD_TARGETS, "offload_params='cpu'")
+        if self.offload_params and self.stage != 3:
+            raise ValueError(
+                f"offload_params={self.offload_params!r} needs stage=3, got stage={self.stage}. "
+                "Use ZeroStrategy(stage=3) or offload_params=False."
+            )
+        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
+            raise ValueError(
+                "offload to 'nvme' needs nvme_path, got nvme_path=None. Pass nvme_path='/path/to/fast/disk'."
+            )
+        _check_choice("partition", self.partition, PARTITIONS, "partition='flat'")
+        _check_choice("state_dict_type", self.state_dict_type, STATE_DICT_TYPES, "state_dict_type='full'")
+        if self.process_group_backend is not None:
+            _check_choice("process_group_backend", self.process_group_backend, BACKENDS, "process_group_backend=None")
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, int | float):
+            raise ValueError(f"bucket_cap_mb must be a number of megabytes, got {self.bucket_cap_mb!r}.")
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}. The default is 25.")
+        if not isinstance(self.overlap_comm, bool):
+            raise ValueError(f"overlap_comm must be True or False, got {self.overlap_comm!r}.")
+        if self.shard_size is not None and (
+            isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int) or self.shard_size < 1
+        ):
+            raise ValueError(f"shard_size must be a positive int or None, got {self.shard_size!r}.")
+        if not isinstance(self.timeout, timedelta):
+            raise ValueError(f"timeout must be a datetime.timedelta, got {self.timeout!r}.")
+        self._check_built()
+
+    def _check_built(self) -> None:
+        requested = {
+            "stage=3": self.stage == 3,
+            "offload_optimizer": bool(self.offload_optimizer),
+            "offload_params": bool(self.offload_params),
+            "partition='parameter'": self.partition == "parameter",
+            "shard_size": self.shard_size is not None,
+            "activation_checkpointing": self.activation_checkpointing is not None,
+        }
+        for option, asked in requested.items():
+            if asked:
+                raise NotImplementedError(
+                    f"ZeroStrategy({option}) is part of the contract but not built yet (tracked in "
+                    f"{_NOT_YET_BUILT[option]}). Use stage 1 or 2 without it for now."
+                )
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(self.bucket_cap_mb * 1024 * 1024)
+
+    def describe(self) -> dict[str, Any]:
+        """The options that every rank must agree on, as plain values (for the rank-agreement check)."""
+        values = asdict(self)
+        values["timeout"] = self.timeout.total_seconds()
+        values["wrap_policy"] = repr(self.wrap_policy)
+        values["activation_checkpointing"] = repr(self.activation_checkpointing)
+        return values
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[Any, ...], example: str) -> None:
+    # `True == 1`, so compare types too: stage=True must not pass as stage=1.
+    if not any(value == choice and type(value) is type(choice) for choice in allowed):
+        raise ValueError(f"{name}={value!r} is not supported; choose one of {list(allowed)}, e.g. {example}.")

@@ -1,0 +1,1 @@
+"""The sharding core: layout, communication, buckets and stage engines. Imports torch only, never lightning."""

@@ -1,0 +1,194 @@
+"""Gradient buckets: collect gradients in backward and reduce-scatter each bucket as soon as it is complete.
+
+[Note: bucket order]
+Buckets are reduced in a fixed order (their index, roughly reverse registration order, which is
+roughly backward order), whatever order their gradients arrive in: bucket ``i`` is launched only
+after buckets ``0..i-1``. Ranks whose graphs differ (a parameter unused on one rank) therefore still
+issue the same collectives in the same order. At the end of a reducing backward every bucket is
+launched, complete or not (missing gradients count as zero), as DDP does.
+
+[Note: gradient liveness]
+torch's contract is that gradients accumulate until ``zero_grad``. The optimizer sees the reduced
+gradient through its pieces (see [Note: parameter views and optimizer pieces]); ``zero_grad`` sets a
+piece's ``grad`` to ``None`` or zeroes it in place. A bucket therefore reads, when a new accumulation
+cycle starts (its first gradient after an optimizer step), which pieces still hold a live gradient,
+keeps those and clears the rest. A piece whose parameter got no gradient on any rank during the
+cycle, and held none before, gets ``grad = None`` so that the optimizer skips it, exactly like DDP
+leaves a globally unused parameter's gradient untouched.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_zero.core.comm import Communicator, Work
+from lightning_zero.core.flat_buffer import FlatParamBuffer
+
+
+class GradBucket(ABC):
+    """The gradients of one :class:`FlatParamBuffer` and their reduction to this rank's shard."""
+
+    buffer: FlatParamBuffer
+    shard_grad: Tensor  # 1D, layout.shard_numel: the averaged gradient of this rank's shard
+
+    def __init__(self, buffer: FlatParamBuffer, comm: Communicator) -> None:
+        self.buffer = buffer
+        self.comm = comm
+        self.locally_used = [False] * len(buffer.params)  # got a gradient here since the last finalize
+        self._arrived = [False] * len(buffer.params)  # got a gradient in the current backward pass
+        self._missing = len(buffer.params)
+        self._launched = False
+        self._cycle_open = False
+        self._live_before = [False] * len(buffer.pieces)  # see [Note: gradient liveness]
+        self._work: Work | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._missing == 0
+
+    def add_grad(self, slot: int, grad: Tensor) -> None:
+        if self._launched:
+            name = self.buffer.layout.slots[slot]
+            raise RuntimeError(
+                f"a parameter of shape {name.shape} received a second gradient after its bucket was reduced in "
+                "this backward pass. Reentrant backward calls inside one pass (e.g. reentrant activation "
+                "checkpointing) are not supported; use torch.utils.checkpoint with use_reentrant=False."
+            )
+        self._open_cycle()
+        self._accumulate(slot, grad)
+        self.locally_used[slot] = True
+        if not self._arrived[slot]:
+            self._arrived[slot] = True
+            self._missing -= 1
+
+    def launch(self) -> None:
+        """Start the asynchronous reduce-scatter of this bucket."""
+        self._open_cycle()
+        self._launched = True
+        self._start_reduce()
+
+    def finish(self) -> None:
+        """Wait for the reduction and fold it into ``shard_grad``; the pass is over."""
+        if self._launched:
+            self._finish_reduce()
+        self._arrived = [False] * len(self.buffer.params)
+        self._missing = len(self.buffer.params)
+        self._launched = False
+
+    def finalize(self, globally_used: Sequence[bool]) -> None:
+        """Hand the reduced gradient to the optimizer's pieces. See [Note: gradient liveness]."""
+        if not self._cycle_open:
+            return
+        for index, (piece, param) in enumerate(zip(self.buffer.pieces, self.buffer.piece_params, strict=True)):
+            live = globally_used[piece.slot] or self._live_before[index]
+            param.grad = FlatParamBuffer.shard_view(self.shard_grad, piece) if live else None
+        self.locally_used = [False] * len(self.buffer.params)
+        self._cycle_open = False
+
+    def _open_cycle(self) -> None:
+        if self._cycle_open:
+            return
+        self._live_before = [param.grad is not None for param in self.buffer.piece_params]
+        self._start_cycle()
+        self._cycle_open = True
+
+    def _dead_piece_views(self, shard: Tensor) -> Iterator[Tensor]:
+        for piece, live in zip(self.buffer.pieces, self._live_before, strict=True):
+            if not live:
+                yield FlatParamBuffer.shard_view(shard, piece)
+
+    def _slot_view(self, flat: Tensor, slot: int) -> Tensor:
+        entry = self.buffer.layout.slots[slot]
+        return flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
+
+    @abstractmethod
+    def _start_cycle(self) -> None:
+        """Bring the storage to the start of an accumulation cycle, keeping live gradients."""
+
+    @abstractmethod
+    def _accumulate(self, slot: int, grad: Tensor) -> None:
+        """Add a local gradient for the parameter in ``slot``."""
+
+    @abstractmethod
+    def _start_reduce(self) -> None: ...
+
+    @abstractmethod
+    def _finish_reduce(self) -> None: ...
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of gradient storage this bucket holds now."""
+
+
+class GradReducer:
+    """Drives buckets through backward: gradient hooks, launch order and the end-of-backward flush.
+
+    Args:
+        buckets: in launch order (see [Note: bucket order]).
+        overlap_comm: launch a bucket's reduction as soon as it is complete instead of after backward.
+        reduce_every_backward: stage 2 reduces in every backward; stage 1 only in backward passes that are
+            not inside :meth:`no_sync` (gradient accumulation keeps full local gradients instead).
+    """
+
+    def __init__(self, buckets: Sequence[GradBucket], overlap_comm: bool, reduce_every_backward: bool) -> None:
+        self.buckets = list(buckets)
+        self.overlap_comm = overlap_comm
+        self.reduce_every_backward = reduce_every_backward
+        self._sync = True
+        self._next_launch = 0
+        self._callback_queued = False
+        self._handles: list[RemovableHandle] = []
+        for bucket_index, bucket in enumerate(self.buckets):
+            for slot, param in enumerate(bucket.buffer.params):
+                hook = partial(self._on_grad, bucket_index, slot)
+                self._handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate locally (stage 1) instead of reducing."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    @property
+    def _reducing(self) -> bool:
+        return self._sync or self.reduce_every_backward
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _on_grad(self, bucket_index: int, slot: int, param: nn.Parameter) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._callback_queued = True
+        assert param.grad is not None
+        self.buckets[bucket_index].add_grad(slot, param.grad)
+        param.grad = None
+        if self._reducing and self.overlap_comm:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
+            self.buckets[self._next_launch].launch()
+            self._next_launch += 1
+
+    def _on_backward_end(self) -> None:
+        self._callback_queued = False
+        if self._reducing:
+            for bucket in self.buckets[self._next_launch :]:
+                bucket.launch()
+        for bucket in self.buckets:
+            bucket.finish()
+        self._next_launch = 0

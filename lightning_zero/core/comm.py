@@ -1,0 +1,105 @@
+"""The one module that calls torch.distributed collectives; it counts the bytes each one moves.
+
+[Note: counting communication]
+``CommStats.nbytes`` counts the size of the *full* (unsharded) buffer of each collective: an
+all-gather or reduce-scatter of a Ψ-element fp32 buffer counts 4Ψ bytes, an all-reduce counts 8Ψ
+(it is a reduce-scatter plus an all-gather). In these units DDP moves 2Ψ elements a step, ZeRO
+stages 1 and 2 also 2Ψ, and stage 3 3Ψ, as in the ZeRO paper (section 7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+# torch 2.10+ renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+Work = dist.Work
+
+
+@dataclass
+class CommStats:
+    """Bytes moved by collectives, in the units of [Note: counting communication]."""
+
+    nbytes: int = 0
+    calls: int = 0
+    by_op: dict[str, int] = field(default_factory=dict)
+
+    def add(self, op: str, nbytes: int) -> None:
+        self.nbytes += nbytes
+        self.calls += 1
+        self.by_op[op] = self.by_op.get(op, 0) + nbytes
+
+    def reset(self) -> CommStats:
+        """Return the counts so far and start again from zero."""
+        snapshot = CommStats(self.nbytes, self.calls, dict(self.by_op))
+        self.nbytes, self.calls, self.by_op = 0, 0, {}
+        return snapshot
+
+
+class Communicator:
+    """Named collectives over one process group, each counted in :attr:`stats`."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.stats = CommStats()
+
+    def reduce_scatter(self, output: Tensor, input: Tensor, async_op: bool = False) -> Work | None:
+        """Sum ``input`` over ranks; this rank receives its ``1/world_size`` part in ``output``."""
+        self.stats.add("reduce_scatter", input.numel() * input.element_size())
+        return _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
+
+    def all_gather(self, output: Tensor, input: Tensor, async_op: bool = False) -> Work | None:
+        """Concatenate every rank's ``input`` into ``output`` (``input`` may be this rank's part of it)."""
+        self.stats.add("all_gather", output.numel() * output.element_size())
+        return _all_gather_single(output, input, group=self.group, async_op=async_op)
+
+    def all_reduce(self, tensor: Tensor, op: str = "sum") -> None:
+        self.stats.add("all_reduce", 2 * tensor.numel() * tensor.element_size())
+        dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group)
+
+    def broadcast(self, tensor: Tensor, src: int = 0) -> None:
+        """Overwrite ``tensor`` with rank ``src``'s (``src`` is a rank of this group)."""
+        self.stats.add("broadcast", tensor.numel() * tensor.element_size())
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def agree(self, what: str, entries: Sequence[tuple[str, Any]], fix: str) -> None:
+        """Raise the same ``RuntimeError`` on every rank unless all ranks pass equal ``entries``.
+
+        ``entries`` are ``(name, value)`` pairs; the error names the first pair that differs.
+        """
+        everyone = self.all_gather_object(list(entries))
+        reference = everyone[0]
+        for rank, theirs in enumerate(everyone[1:], start=1):
+            if theirs == reference:
+                continue
+            mine, other = dict(reference), dict(theirs)
+            for name in list(mine) + [name for name in other if name not in mine]:
+                if mine.get(name, "<missing>") != other.get(name, "<missing>"):
+                    raise RuntimeError(
+                        f"ranks disagree on {what}: rank 0 has {name!r} {mine.get(name, '<missing>')}, rank {rank} "
+                        f"has {other.get(name, '<missing>')}. {fix}"
+                    )
+            raise RuntimeError(f"ranks disagree on {what}: rank 0 and rank {rank} list them in another order. {fix}")
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def wait_all(works: Sequence[Work | None]) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()

@@ -1,0 +1,284 @@
+"""ZeroEngine: shards a module's trainable parameters over the user's optimizers for stages 1 and 2.
+
+The engine knows nothing about Lightning. Its life:
+
+1. ``ZeroEngine(module, optimizers, config, comm)``: the ranks agree on parameters and options, rank 0's
+   parameters and buffers are broadcast, the trainable parameters of each optimizer param group are
+   packed into flat buffers of at most ``bucket_cap_mb`` (see [Note: flat layout]), and each param
+   group's ``params`` are replaced by this rank's pieces (see [Note: parameter views and optimizer
+   pieces]). Existing optimizer state is sliced into the pieces.
+2. Backward: gradient hooks fill the buckets and reduce-scatter them (see [Note: bucket order]).
+3. ``prepare_step(optimizer)``: agree on which parameters got gradients, hand the reduced shards to the
+   pieces (see [Note: gradient liveness]); clipping helpers call it too.
+4. ``optimizer.step()`` by the caller, then ``finish_step(optimizer)``: all-gather the updated parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.core.buckets import GradBucket, GradReducer
+from lightning_zero.core.comm import CommStats, Communicator, wait_all
+from lightning_zero.core.flat_buffer import FlatParamBuffer
+from lightning_zero.core.layout import plan_buckets
+from lightning_zero.core.memory import MemoryReport, tensor_nbytes
+from lightning_zero.core.optim_state import gather_param_states, is_scalar_state, shard_param_state
+from lightning_zero.core.stage1 import FullGradBucket
+from lightning_zero.core.stage2 import ShardGradBucket
+
+_BUCKET_TYPES: dict[int, type[GradBucket]] = {1: FullGradBucket, 2: ShardGradBucket}
+
+
+@dataclass
+class _Binding:
+    """One user optimizer and the buckets that hold its parameters."""
+
+    optimizer: Optimizer
+    groups: list[list[nn.Parameter]]  # the original params of each param group, in the user's order
+    buckets: list[GradBucket] = field(default_factory=list)
+    prepared: bool = False  # gradients were handed to the pieces for the coming step
+
+
+class ZeroEngine:
+    """ZeRO stages 1 and 2 for ``module`` trained by ``optimizers``. See the module docstring."""
+
+    def __init__(self, module: nn.Module, optimizers: list[Optimizer], config: ZeroConfig, comm: Communicator) -> None:
+        if config.stage not in _BUCKET_TYPES:
+            raise NotImplementedError(f"ZeroEngine builds stages {sorted(_BUCKET_TYPES)}, got stage={config.stage}")
+        self.module = module
+        self.config = config
+        self.comm = comm
+        self.names = {param: name for name, param in module.named_parameters()}
+        self.bindings = [_Binding(opt, [list(g["params"]) for g in opt.param_groups]) for opt in optimizers]
+        self._check_optimizers()
+        self._agree_across_ranks()
+        self.broadcast_module_states(module, comm)
+        self.buckets = self._build_buckets()
+        self.reducer = GradReducer(self.buckets, config.overlap_comm, reduce_every_backward=config.stage >= 2)
+        for binding in self.bindings:
+            self._bind_optimizer(binding)
+        self.last_step_comm = CommStats()
+
+    # ------------------------------------------------------------------ setup
+    def _check_optimizers(self) -> None:
+        owner: dict[nn.Parameter, str] = {}
+        for index, binding in enumerate(self.bindings):
+            for group_index, params in enumerate(binding.groups):
+                for param in params:
+                    where = f"optimizer {index} param group {group_index}"
+                    if param not in self.names:
+                        raise ValueError(
+                            f"{where} holds a parameter of shape {tuple(param.shape)} that is not in the model. "
+                            "Create the optimizer in configure_optimizers() from self.parameters()."
+                        )
+                    if param in owner:
+                        raise ValueError(
+                            f"parameter {self.names[param]!r} is in both {owner[param]} and {where}; "
+                            "each parameter may belong to one param group of one optimizer."
+                        )
+                    owner[param] = where
+
+    def _agree_across_ranks(self) -> None:
+        group_of = {p: (i, g) for i, b in enumerate(self.bindings) for g, ps in enumerate(b.groups) for p in ps}
+        params = [
+            (name, (tuple(p.shape), str(p.dtype), p.requires_grad, group_of.get(p)))
+            for name, p in self.module.named_parameters()
+        ]
+        fix = "Build the same model and optimizers on every rank before Trainer.fit."
+        self.comm.agree("the model's parameters (shape, dtype, requires_grad, optimizer group)", params, fix)
+        options = sorted(self.config.describe().items())
+        self.comm.agree("ZeroStrategy options", options, "Pass the same ZeroStrategy options on every rank.")
+
+    @staticmethod
+    def broadcast_module_states(module: nn.Module, comm: Communicator) -> None:
+        """Give every rank rank 0's parameters and buffers, as DDP does at construction."""
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                comm.broadcast(tensor.data, src=0)
+
+    def _build_buckets(self) -> list[GradBucket]:
+        """Flat buffers per (optimizer, param group, dtype, device), in reverse registration order."""
+        order = {p: i for i, p in enumerate(reversed(list(self.names)))}
+        cap_bytes = self.config.bucket_cap_bytes
+        planned: list[tuple[int, _Binding, list[nn.Parameter]]] = []
+        for binding in self.bindings:
+            for params in binding.groups:
+                trainable = sorted((p for p in params if p.requires_grad), key=order.__getitem__)
+                for key in dict.fromkeys((p.dtype, p.device) for p in trainable):
+                    same = [p for p in trainable if (p.dtype, p.device) == key]
+                    cap = max(1, cap_bytes // same[0].element_size())
+                    for indices in plan_buckets([p.numel() for p in same], cap):
+                        members = [same[i] for i in indices]
+                        planned.append((order[members[0]], binding, members))
+        planned.sort(key=lambda entry: entry[0])
+        bucket_type = _BUCKET_TYPES[self.config.stage]
+        buckets = []
+        for _, binding, members in planned:
+            buffer = FlatParamBuffer(members, self.comm.rank, self.comm.world_size)
+            bucket = bucket_type(buffer, self.comm)
+            binding.buckets.append(bucket)
+            buckets.append(bucket)
+        return buckets
+
+    def _bind_optimizer(self, binding: _Binding) -> None:
+        """Replace each param group's params by this rank's pieces, slicing any existing state."""
+        optimizer = binding.optimizer
+        old_state = optimizer.state
+        optimizer.state = defaultdict(dict)
+        for group, params in zip(optimizer.param_groups, binding.groups, strict=True):
+            members = set(params)
+            pieces: list[nn.Parameter] = []
+            for bucket in binding.buckets:
+                buffer = bucket.buffer
+                if buffer.params[0] not in members:
+                    continue
+                for piece, piece_param in zip(buffer.pieces, buffer.piece_params, strict=True):
+                    param = buffer.params[piece.slot]
+                    if param in old_state:
+                        shape = tuple(param.shape)
+                        optimizer.state[piece_param] = shard_param_state(
+                            old_state[param], piece, shape, self.names[param]
+                        )
+                    pieces.append(piece_param)
+            group["params"] = pieces
+
+    # ------------------------------------------------------------------ training
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside skip the reduction where the stage allows it (gradient accumulation)."""
+        with self.reducer.no_sync():
+            yield
+
+    def prepare_step(self, optimizer: Optimizer) -> None:
+        """Give ``optimizer``'s pieces their reduced gradients (collective; once per step, idempotent)."""
+        binding = self._binding(optimizer)
+        if binding.prepared:
+            return
+        used = torch.tensor([u for b in binding.buckets for u in b.locally_used], dtype=torch.uint8)
+        if used.numel():
+            self.comm.all_reduce(used, op="max")
+        flags = used.bool().tolist()
+        start = 0
+        for bucket in binding.buckets:
+            count = len(bucket.buffer.params)
+            bucket.finalize(flags[start : start + count])
+            start += count
+        binding.prepared = True
+
+    def finish_step(self, optimizer: Optimizer) -> None:
+        """All-gather the parameters that ``optimizer`` just updated in this rank's shard."""
+        binding = self._binding(optimizer)
+        works = [self.comm.all_gather(b.buffer.data, b.buffer.shard, async_op=True) for b in binding.buckets]
+        wait_all(works)
+        binding.prepared = False
+        self.last_step_comm = self.comm.stats.reset()
+
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip ``optimizer``'s gradients by their global norm over all shards; returns the norm (collective)."""
+        self.prepare_step(optimizer)
+        grads = self._piece_grads(optimizer)
+        device = self.buckets[0].shard_grad.device if self.buckets else torch.device("cpu")
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
+            total = local.float().clone()
+            self.comm.all_reduce(total, op="max")
+        else:
+            local = sum(
+                (torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads),
+                torch.zeros((), device=device),
+            )
+            self.comm.all_reduce(local, op="sum")
+            total = local ** (1.0 / norm_type)
+        # Same coefficient as torch.nn.utils.clip_grad_norm_.
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+        return total
+
+    def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
+        self.prepare_step(optimizer)
+        for grad in self._piece_grads(optimizer):
+            grad.clamp_(min=-clip_value, max=clip_value)
+
+    def sync_buffers(self) -> None:
+        """Broadcast rank 0's module buffers (e.g. BatchNorm statistics), as DDP does before each forward."""
+        with torch.no_grad():
+            for buffer in self.module.buffers():
+                self.comm.broadcast(buffer, src=0)
+
+    def remove_hooks(self) -> None:
+        self.reducer.remove_hooks()
+
+    # ------------------------------------------------------------------ state
+    def full_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The state dict ``optimizer`` would have without sharding (collective; every rank gets it)."""
+        binding = self._binding(optimizer)
+        full_state: dict[nn.Parameter, dict[str, Any]] = {}
+        for bucket in binding.buckets:
+            pieces = [dict(optimizer.state.get(p, {})) for p in bucket.buffer.piece_params]
+            for param, state in zip(
+                bucket.buffer.params, gather_param_states(bucket.buffer, pieces, self.comm), strict=True
+            ):
+                if state:
+                    full_state[param] = state
+        index = {p: i for i, p in enumerate(p for group in binding.groups for p in group)}
+        groups = []
+        for group, params in zip(optimizer.param_groups, binding.groups, strict=True):
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [index[p] for p in params]})
+        return {"state": {index[p]: s for p, s in full_state.items()}, "param_groups": groups}
+
+    def load_full_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        """Load an ordinary (unsharded) optimizer state dict into ``optimizer``'s pieces."""
+        binding = self._binding(optimizer)
+        saved_groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved_groups] != [len(g) for g in binding.groups]:
+            raise ValueError(
+                f"the checkpoint's optimizer has param groups of sizes {[len(g['params']) for g in saved_groups]}, "
+                f"this one {[len(g) for g in binding.groups]}: the model or configure_optimizers() differs."
+            )
+        by_index = dict(enumerate(p for group in binding.groups for p in group))
+        saved_state = {by_index[int(i)]: s for i, s in state_dict["state"].items()}
+        for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        optimizer.state.clear()
+        for bucket in binding.buckets:
+            buffer = bucket.buffer
+            for piece, piece_param in zip(buffer.pieces, buffer.piece_params, strict=True):
+                param = buffer.params[piece.slot]
+                if param in saved_state:
+                    state = shard_param_state(saved_state[param], piece, tuple(param.shape), self.names[param])
+                    optimizer.state[piece_param] = {k: _to_device(v, piece_param.device) for k, v in state.items()}
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of parameters, gradients and optimizer state this rank holds now."""
+        managed = {p for b in self.buckets for p in b.buffer.params}
+        unmanaged = [p for p in self.module.parameters() if p not in managed]
+        params = sum(b.buffer.nbytes for b in self.buckets) + sum(tensor_nbytes(p) for p in unmanaged)
+        grads = sum(b.nbytes for b in self.buckets) + sum(tensor_nbytes(p.grad) for p in unmanaged)
+        states = [v for binding in self.bindings for s in binding.optimizer.state.values() for v in s.values()]
+        return MemoryReport(params=params, gradients=grads, optimizer_states=sum(map(tensor_nbytes, states)))
+
+    # ------------------------------------------------------------------ helpers
+    def _binding(self, optimizer: Optimizer) -> _Binding:
+        for binding in self.bindings:
+            if binding.optimizer is optimizer:
+                return binding
+        raise ValueError(f"{type(optimizer).__name__} is not managed by this ZeroEngine")
+
+    def _piece_grads(self, optimizer: Optimizer) -> list[Tensor]:
+        return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """Element-wise state goes to the parameter's device; scalars stay where the optimizer keeps them."""
+    return value if is_scalar_state(value) else value.to(device)

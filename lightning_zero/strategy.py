@@ -1,0 +1,313 @@
+"""ZeroStrategy: Lightning glue around the sharding core. Each hook is a few lines that call into ``core``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero.config import START_METHODS, Offload, ZeroConfig
+from lightning_zero.core.comm import CommStats, Communicator
+from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.memory import MemoryReport
+from lightning_zero.precision import ZeroPrecision, unwrap_optimizer
+
+log = logging.getLogger(__name__)
+
+
+class ZeroStrategy(ParallelStrategy):
+    """ZeRO data parallelism: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) sharded.
+
+    Args:
+        stage: 1 shards optimizer state; 2 also gradients; 3 also parameters.
+        offload_optimizer: ``False``, ``"cpu"`` or ``"nvme"``: where optimizer state and the fp32 master live.
+        offload_params: ``False``, ``"cpu"`` or ``"nvme"``: stage-3 parameters at rest.
+        nvme_path: directory for ``"nvme"`` offload.
+        partition: ``"flat"`` (element-wise shards) or ``"parameter"`` (whole tensors per rank).
+        bucket_cap_mb: size of the gradient reduce and parameter gather buckets.
+        overlap_comm: reduce gradient buckets while backward still runs.
+        shard_size: shard inside groups of this many ranks, replicate across them (``None``: all ranks).
+        wrap_policy: stage-3 gather units.
+        activation_checkpointing: module classes to checkpoint.
+        state_dict_type: ``"sharded"`` or ``"full"``: what ``trainer.save_checkpoint`` writes.
+        process_group_backend: ``"nccl"`` or ``"gloo"``; default by device.
+        timeout: collective timeout.
+        start_method: ``"popen"``, ``"spawn"`` or ``"fork"``, as in Lightning's ``DDPStrategy``.
+
+    Raises:
+        ValueError: for an invalid option, naming the option, the value and the fix.
+    """
+
+    def __init__(
+        self,
+        stage: int = 2,
+        offload_optimizer: Offload = False,
+        offload_params: Offload = False,
+        nvme_path: str | None = None,
+        partition: Literal["flat", "parameter"] = "flat",
+        bucket_cap_mb: float = 25,
+        overlap_comm: bool = True,
+        shard_size: int | None = None,
+        wrap_policy: Any = None,
+        activation_checkpointing: Any = None,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+        start_method: Literal["popen", "spawn", "fork"] = "popen",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        self.config = ZeroConfig(
+            stage=stage,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            nvme_path=nvme_path,
+            partition=partition,
+            bucket_cap_mb=bucket_cap_mb,
+            overlap_comm=overlap_comm,
+            shard_size=shard_size,
+            wrap_policy=wrap_policy,
+            activation_checkpointing=activation_checkpointing,
+            state_dict_type=state_dict_type,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method={start_method!r} is not supported; choose one of {list(START_METHODS)}.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._comm: Communicator | None = None
+        self._engine: ZeroEngine | None = None
+
+    # ------------------------------------------------------------------ topology
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning adds a DistributedSampler for strategies that say so."""
+        return True
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str:
+        return self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+
+    @property
+    @override
+    def precision_plugin(self) -> ZeroPrecision:
+        assert self._precision_plugin is not None
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_plugin = ZeroPrecision.from_plugin(precision_plugin or Precision())
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self.process_group_backend, timeout=self.config.timeout, device_id=device_id
+        )
+        self._comm = Communicator()
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ setup and training
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.model is not None
+        assert self._comm is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            optimizers = [unwrap_optimizer(optimizer) for optimizer in self.optimizers]
+            self._engine = ZeroEngine(self.model, optimizers, self.config, self._comm)
+            self.precision_plugin.attach(self._engine)
+        else:
+            ZeroEngine.broadcast_module_states(self.model, self._comm)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._engine is not None:
+            self._engine.sync_buffers()
+        return super().training_step(*args, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self._engine is None:
+            yield
+            return
+        with self._engine.no_sync():
+            yield
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of parameters, gradients and optimizer state that this rank holds now.
+
+        Raises:
+            RuntimeError: before ``Trainer.fit`` has set the strategy up.
+        """
+        return self._require_engine().memory_report()
+
+    def comm_report(self) -> CommStats:
+        """Bytes this rank moved in collectives during the last optimizer step (see docs/design.md)."""
+        return self._require_engine().last_step_comm
+
+    def _require_engine(self) -> ZeroEngine:
+        if self._engine is None:
+            raise RuntimeError("ZeroStrategy has no sharded state yet: call this during or after Trainer.fit setup.")
+        return self._engine
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        wrapped = [obj]
+        torch.distributed.broadcast_object_list(wrapped, src)
+        return wrapped[0]
+
+    @override
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Optimizer state is loaded into the pieces, which exist only once the engine is built.
+        return True
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        state = self._require_engine().full_optimizer_state_dict(unwrap_optimizer(optimizer))
+        return state if self.is_global_zero else {}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        engine = self._require_engine()
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            engine.load_full_optimizer_state_dict(unwrap_optimizer(optimizer), state)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self.config.state_dict_type == "sharded":
+            rank_zero_warn(
+                "ZeroStrategy(state_dict_type='sharded') checkpoints are not built yet (tracked in #5); "
+                "writing one full Lightning checkpoint instead, which resumes at any world size.",
+            )
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def teardown(self) -> None:
+        # The engine stays (without hooks) so memory_report() and save_checkpoint() work after fit.
+        if self._engine is not None:
+            self._engine.remove_hooks()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        presets = {
+            "zero_1": ({"stage": 1}, "ZeRO stage 1: optimizer state sharded"),
+            "zero_2": ({"stage": 2}, "ZeRO stage 2: optimizer state and gradients sharded"),
+        }
+        for name, (init_params, description) in presets.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, **init_params)
