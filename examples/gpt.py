@@ -1,0 +1,316 @@
+"""A minimal byte-level GPT trained with ``lightning_zero.ZeroStrategy`` (nanoGPT-style example).
+
+Install the package first (``pip install -e .`` from the repository root), then:
+
+CPU, 2 processes (gloo), ZeRO-2::
+
+    python examples/gpt.py fit --config examples/configs/zero2.yaml
+
+One GPU node with 8 GPUs, ZeRO-3::
+
+    python examples/gpt.py fit --config examples/configs/zero3.yaml \\
+        --trainer.accelerator=gpu --trainer.devices=8 --trainer.precision=bf16-mixed
+
+Several nodes with torchrun (run on every node, NODE_RANK=0..1)::
+
+    torchrun --nnodes=2 --nproc-per-node=8 --node-rank=$NODE_RANK \\
+        --master-addr=$MASTER_ADDR --master-port=29500 \\
+        examples/gpt.py fit --config examples/configs/zero3.yaml \\
+        --trainer.accelerator=gpu --trainer.devices=8 --trainer.num_nodes=2
+
+SLURM (one task per GPU; Lightning reads the SLURM environment)::
+
+    srun --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 \\
+        python examples/gpt.py fit --config examples/configs/zero3.yaml \\
+        --trainer.accelerator=gpu --trainer.devices=8 --trainer.num_nodes=2
+
+Any config value can be overridden on the command line, e.g. ``--model.n_layer=8 --trainer.max_steps=500``.
+"""
+
+import math
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+from torchmetrics.text import Perplexity
+
+DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a GPT model."""
+
+    vocab_size: int = 256
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    dropout: float = 0.0
+    bias: bool = True
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention on top of ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        assert cfg.n_embd % cfg.n_head == 0, "n_embd must be divisible by n_head"
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias),
+            nn.GELU(),
+            nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias),
+            nn.Dropout(cfg.dropout),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer; ``lm_head.weight`` is tied to the token embedding ``wte.weight``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2 scaled init of the residual projections
+            if name.endswith(("c_proj.weight", "mlp.2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self) -> int:
+        """Number of unique parameters (the tied embedding counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Map token ids ``(B, T)`` to next-token logits ``(B, T, vocab_size)``."""
+        seq_len = idx.size(1)
+        assert seq_len <= self.config.block_size, f"sequence length {seq_len} > block_size {self.config.block_size}"
+        pos = torch.arange(seq_len, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def count_params(cfg: GPTConfig) -> int:
+    """Exact parameter count of ``GPT(cfg)`` without building it."""
+    d, b = cfg.n_embd, int(cfg.bias)
+    ln = d * (1 + b)
+    per_layer = 2 * ln + 12 * d * d + 9 * b * d  # two LayerNorms + attention (4 d^2) + MLP (8 d^2) with biases
+    return cfg.n_layer * per_layer + (cfg.vocab_size + cfg.block_size) * d + ln  # + wte, wpe, ln_f (lm_head tied)
+
+
+def gpt_config_for_params(target_params: int, vocab_size: int = 256, block_size: int = 256) -> GPTConfig:
+    """Pick a GPT shape (head dim 64, width/depth ratio near 64) with about ``target_params`` parameters.
+
+    E.g. ``gpt_config_for_params(25_000_000)`` gives ``n_layer=8, n_head=8, n_embd=512`` (25.4M).
+    """
+    best: tuple[float, GPTConfig] | None = None
+    for n_embd in range(64, 8193, 64):
+        cfg = GPTConfig(vocab_size, block_size, n_layer=0, n_head=n_embd // 64, n_embd=n_embd)
+        base, per_layer = count_params(cfg), count_params(replace(cfg, n_layer=1)) - count_params(cfg)
+        cfg.n_layer = max(1, round((target_params - base) / per_layer))
+        score = abs(math.log(count_params(cfg) / target_params)) + 0.1 * abs(math.log(n_embd / cfg.n_layer / 64))
+        if best is None or score < best[0]:
+            best = (score, cfg)
+    assert best is not None
+    return best[1]
+
+
+# ----------------------------------------------------------------------------- lightning module
+
+
+def _warmup_cosine(step: int, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at ``total`` steps."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class GPTLightningModule(LightningModule):
+    """Next-byte language modelling with :class:`GPT`; the model is built in ``configure_model``."""
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 64,
+        n_layer: int = 2,
+        n_head: int = 2,
+        n_embd: int = 64,
+        dropout: float = 0.0,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
+        self.model: GPT | None = None
+        self.train_ppl = Perplexity()
+        self.val_ppl = Perplexity()
+
+    def configure_model(self) -> None:
+        """Build the GPT once, inside the strategy's init context (Lightning may call this more than once)."""
+        if self.model is None:
+            self.model = GPT(self.config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        assert self.model is not None, "call configure_model() first"
+        return self.model(idx)
+
+    def _shared_step(self, batch: tuple[Tensor, Tensor], ppl: Perplexity) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        ppl(logits.detach().float(), y)  # accumulates, and caches this batch's value for step-level logging
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._shared_step(batch, self.train_ppl)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_ppl", self.train_ppl)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss = self._shared_step(batch, self.val_ppl)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val_ppl", self.val_ppl)
+
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        """AdamW with weight decay on matrices only (nanoGPT-style), plus warmup + cosine LR per step."""
+        assert self.model is not None, "call configure_model() first"
+        params = dict(self.model.named_parameters())  # de-duplicated: the tied lm_head weight appears once
+        decay = [p for p in params.values() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in params.values() if p.requires_grad and p.dim() < 2]
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr,
+            betas=tuple(hp.betas),
+        )
+        total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1000
+        total = int(total) if math.isfinite(total) else 1000
+        lr_lambda = partial(_warmup_cosine, warmup=max(1, hp.warmup_steps), total=total)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+# ----------------------------------------------------------------------------- data
+
+
+class ByteWindows(Dataset):
+    """``(x, y)`` windows of ``block_size`` bytes every ``stride`` bytes; ``y`` is ``x`` shifted by one."""
+
+    def __init__(self, data: Tensor, block_size: int, stride: int = 1) -> None:
+        if data.numel() <= block_size:
+            raise ValueError(f"need more than block_size={block_size} bytes, got {data.numel()}")
+        self.data, self.block_size, self.stride = data, block_size, stride
+
+    def __len__(self) -> int:
+        return (self.data.numel() - self.block_size - 1) // self.stride + 1
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        start = i * self.stride
+        chunk = self.data[start : start + self.block_size + 1].long()
+        return chunk[:-1], chunk[1:]
+
+
+class ByteDataModule(LightningDataModule):
+    """Byte-level (vocab 256) text; the last ``val_fraction`` of the file is the validation split.
+
+    Training uses every offset (stride 1, shuffled); validation uses non-overlapping windows in order.
+    """
+
+    def __init__(
+        self,
+        data_path: str | None = None,
+        block_size: int = 64,
+        batch_size: int = 16,
+        num_workers: int = 0,
+        val_fraction: float = 0.1,
+        seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.data_path = Path(data_path) if data_path else DEFAULT_DATA
+        self.train_set: ByteWindows | None = None
+        self.val_set: ByteWindows | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        data = torch.frombuffer(bytearray(self.data_path.read_bytes()), dtype=torch.uint8)
+        n_val = max(self.hparams.block_size + 1, int(len(data) * self.hparams.val_fraction))
+        self.train_set = ByteWindows(data[:-n_val], self.hparams.block_size)
+        self.val_set = ByteWindows(data[-n_val:], self.hparams.block_size, stride=self.hparams.block_size)
+
+    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
+        hp = self.hparams
+        generator = torch.Generator().manual_seed(hp.seed)
+        return DataLoader(
+            dataset, hp.batch_size, shuffle=shuffle, drop_last=shuffle, num_workers=hp.num_workers, generator=generator
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        assert self.val_set is not None
+        return self._loader(self.val_set, shuffle=False)
+
+
+def main(args: list[str] | None = None) -> None:
+    """Command-line entry point: ``python examples/gpt.py {fit,validate} --config ...``."""
+    LightningCLI(GPTLightningModule, ByteDataModule, save_config_kwargs={"overwrite": True}, args=args)
+
+
+if __name__ == "__main__":
+    main()
