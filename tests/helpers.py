@@ -6,9 +6,10 @@ import io
 import os
 import queue as queue_module
 import socket
+import time
 import traceback
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -43,15 +44,21 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, init_group
         proc.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    deadline = time.monotonic() + _TIMEOUT_S
     try:
-        for _ in procs:
-            rank, ok, payload = queue.get(timeout=_TIMEOUT_S)
+        while len(results) + len(errors) < world_size:
+            try:
+                rank, ok, payload = queue.get(timeout=1)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    errors[-1] = f"ranks {dead or 'some'} crashed or hung; answers came from {sorted(results)}"
+                    break
+                continue
             if ok:
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors[rank] = payload
-    except queue_module.Empty:
-        errors[-1] = f"no answer from some ranks within {_TIMEOUT_S} s (hang or crash); got ranks {sorted(results)}"
     finally:
         for proc in procs:
             proc.join(10)
@@ -63,7 +70,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, init_group
     return [results[rank] for rank in range(world_size)]
 
 
-def _worker(fn, rank, world_size, port, init_group, args, queue) -> None:  # noqa: ANN001
+def _worker(fn, rank, world_size, port, init_group, args, queue) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -88,4 +95,3 @@ def _worker(fn, rank, world_size, port, init_group, args, queue) -> None:  # noq
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-

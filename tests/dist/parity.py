@@ -1,0 +1,161 @@
+"""Training loops that run the same steps under DDP, under ZeroEngine and as one reordered local process."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.core.comm import Communicator
+from lightning_zero.core.engine import ZeroEngine
+from tests.dist.models import TinyLM, batch, loss_fn
+
+STEPS = 5
+
+
+@dataclass(frozen=True)
+class Case:
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    optimizer: str = "adamw"
+    two_groups: bool = False
+    accumulate: int = 1
+    clip_norm: float | None = None
+    clip_value: float | None = None
+    unused_on_rank1: bool = False
+    zero_grad_every: int = 1  # optimizer steps between zero_grad calls (torch accumulates in between)
+
+
+CASES = {
+    "plain": Case(),
+    "accumulate": Case(accumulate=3),
+    "clip_norm": Case(clip_norm=0.05),
+    "clip_value": Case(clip_value=0.01),
+    "tied": Case(model_kwargs={"tied": True}),
+    "frozen": Case(model_kwargs={"frozen": True}),
+    "unused": Case(model_kwargs={"unused": True}),
+    "unused_on_one_rank": Case(unused_on_rank1=True),
+    "two_groups": Case(two_groups=True),
+    "sgd_momentum": Case(optimizer="sgd"),
+    "adam": Case(optimizer="adam"),
+    "adagrad": Case(optimizer="adagrad"),
+    "no_zero_grad_between_steps": Case(optimizer="sgd", zero_grad_every=2, accumulate=2),
+}
+
+
+def make_optimizer(model: nn.Module, case: Case) -> Optimizer:
+    if case.two_groups:
+        decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        no_decay = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3}]
+    else:
+        groups = [{"params": list(model.parameters())}]
+    if case.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05)
+    if case.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=1e-2)
+    if case.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    if case.optimizer == "adagrad":
+        return torch.optim.Adagrad(groups, lr=0.05)
+    raise ValueError(case.optimizer)
+
+
+def relative_difference(reference: nn.Module, other: nn.Module) -> float:
+    """Largest per-tensor max|a - b| / max|a| over the parameters."""
+    worst = 0.0
+    for (name, a), (_, b) in zip(reference.named_parameters(), other.named_parameters(), strict=True):
+        scale = a.detach().abs().max().clamp_min(1e-12)
+        worst = max(worst, ((a.detach() - b.detach()).abs().max() / scale).item())
+    return worst
+
+
+def _micro_batches(step: int, rank: int, case: Case):
+    for micro in range(case.accumulate):
+        yield micro, batch(seed=1000 * step + 10 * micro + rank)
+
+
+def train_ddp(model: nn.Module, case: Case, rank: int, return_optimizer: bool = False) -> Any:
+    """Train ``model`` in place under DDP; return it, or the optimizer's state dict."""
+    model.skip_b = case.unused_on_rank1 and rank == 1
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    optimizer = make_optimizer(model, case)
+    for step in range(STEPS):
+        if step % case.zero_grad_every == 0:
+            optimizer.zero_grad()
+        for micro, (tokens, targets) in _micro_batches(step, rank, case):
+            context = ddp.no_sync() if micro < case.accumulate - 1 else nullcontext()
+            with context:
+                (loss_fn(ddp, tokens, targets) / case.accumulate).backward()
+        if case.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip_norm)
+        if case.clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), case.clip_value)
+        optimizer.step()
+    return optimizer.state_dict() if return_optimizer else model
+
+
+def train_zero(model: nn.Module, case: Case, rank: int, stage: int, comm: Communicator) -> ZeroEngine:
+    model.skip_b = case.unused_on_rank1 and rank == 1
+    optimizer = make_optimizer(model, case)
+    # A tiny bucket cap gives several buckets, so ordering and partial buckets are exercised.
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, bucket_cap_mb=0.0005), comm)
+    for step in range(STEPS):
+        if step % case.zero_grad_every == 0:
+            optimizer.zero_grad()
+        for micro, (tokens, targets) in _micro_batches(step, rank, case):
+            context = engine.no_sync() if micro < case.accumulate - 1 else nullcontext()
+            with context:
+                (loss_fn(model, tokens, targets) / case.accumulate).backward()
+        if case.clip_norm is not None:
+            engine.clip_grad_norm_(optimizer, case.clip_norm)
+        if case.clip_value is not None:
+            engine.clip_grad_value_(optimizer, case.clip_value)
+        engine.prepare_step(optimizer)
+        optimizer.step()
+        engine.finish_step(optimizer)
+    engine.remove_hooks()
+    return engine
+
+
+def train_reordered(model: nn.Module, case: Case, world_size: int) -> nn.Module:
+    """One process computes every rank's loss sample by sample, so gradients are summed in another order."""
+    optimizer = make_optimizer(model, case)
+    for step in range(STEPS):
+        if step % case.zero_grad_every == 0:
+            optimizer.zero_grad()
+        for rank in reversed(range(world_size)):
+            model.skip_b = case.unused_on_rank1 and rank == 1
+            for _, (tokens, targets) in _micro_batches(step, rank, case):
+                size = len(tokens)
+                for i in reversed(range(size)):
+                    sample_loss = loss_fn(model, tokens[i : i + 1], targets[i : i + 1])
+                    (sample_loss / (size * case.accumulate * world_size)).backward()
+        if case.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip_norm)
+        if case.clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), case.clip_value)
+        optimizer.step()
+    return model
+
+
+def run_all_cases(rank: int, world_size: int) -> dict[str, float]:
+    """Per case: ZeRO-1 and ZeRO-2 vs DDP, and the reordered-DDP spread that calibrates the tolerance."""
+    comm = Communicator()
+    results: dict[str, float] = {}
+    for name, case in CASES.items():
+        torch.manual_seed(0)
+        initial = TinyLM(**case.model_kwargs)
+        reference = train_ddp(copy.deepcopy(initial), case, rank)
+        results[f"spread/{name}"] = relative_difference(reference, train_reordered(copy.deepcopy(initial), case, world_size))
+        for stage in (1, 2):
+            model = copy.deepcopy(initial)
+            train_zero(model, case, rank, stage, comm)
+            results[f"stage{stage}/{name}"] = relative_difference(reference, model)
+    return results

@@ -1,0 +1,66 @@
+"""ZeroStrategy options are checked at construction with errors that name the option, value and fix."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.config import ZeroConfig
+
+
+def test_defaults_follow_the_contract() -> None:
+    config = ZeroStrategy().config
+    assert config.stage == 2
+    assert config.offload_optimizer is False
+    assert config.partition == "flat"
+    assert config.bucket_cap_mb == 25
+    assert config.overlap_comm is True
+    assert config.state_dict_type == "sharded"
+    assert config.timeout == timedelta(minutes=30)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"stage": 4}, r"stage=4 is not supported; choose one of \[1, 2, 3\]"),
+        ({"stage": True}, r"stage=True is not supported"),
+        ({"offload_optimizer": "gpu"}, r"offload_optimizer='gpu' is not supported"),
+        ({"offload_params": "cpu", "stage": 2}, r"offload_params='cpu' needs stage=3, got stage=2"),
+        ({"offload_optimizer": "nvme"}, r"needs nvme_path"),
+        ({"partition": "rows"}, r"partition='rows' is not supported; choose one of \['flat', 'parameter'\]"),
+        ({"state_dict_type": "local"}, r"state_dict_type='local' is not supported"),
+        ({"bucket_cap_mb": 0}, r"bucket_cap_mb must be > 0, got 0"),
+        ({"bucket_cap_mb": "25"}, r"bucket_cap_mb must be a number"),
+        ({"overlap_comm": "yes"}, r"overlap_comm must be True or False"),
+        ({"shard_size": 0}, r"shard_size must be a positive int or None, got 0"),
+        ({"process_group_backend": "mpi"}, r"process_group_backend='mpi' is not supported"),
+        ({"start_method": "forkserver"}, r"start_method='forkserver' is not supported"),
+        ({"timeout": 30}, r"timeout must be a datetime.timedelta"),
+    ],
+)
+def test_invalid_options_raise_value_error(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ZeroStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"stage": 3},
+        {"offload_optimizer": "cpu"},
+        {"stage": 3, "offload_params": "cpu"},
+        {"partition": "parameter"},
+        {"shard_size": 2},
+        {"activation_checkpointing": {object}},
+    ],
+)
+def test_contract_options_not_built_yet_say_so(kwargs: dict) -> None:
+    with pytest.raises(NotImplementedError, match="not built yet"):
+        ZeroConfig(**kwargs)
+
+
+def test_describe_is_comparable_across_ranks() -> None:
+    assert ZeroConfig(stage=1).describe() == ZeroConfig(stage=1).describe()
+    assert ZeroConfig(stage=1).describe() != ZeroConfig(stage=2).describe()
