@@ -58,6 +58,8 @@ class ZeroEngine:
         self.module = module
         self.config = config
         self.comm = comm
+        # Where small control tensors (the used-flags, norms) live: NCCL needs them on the module's device.
+        self.device = next(module.parameters(), torch.empty(0)).device
         self.names = {param: name for name, param in module.named_parameters()}
         self.bindings = [_Binding(opt, [list(g["params"]) for g in opt.param_groups]) for opt in optimizers]
         self._check_optimizers()
@@ -164,7 +166,8 @@ class ZeroEngine:
         binding = self._binding(optimizer)
         if binding.prepared:
             return
-        used = torch.tensor([u for b in binding.buckets for u in b.locally_used], dtype=torch.uint8)
+        flags = [u for b in binding.buckets for u in b.locally_used]
+        used = torch.tensor(flags, dtype=torch.uint8, device=self.device)
         if used.numel():
             self.comm.all_reduce(used, op="max")
         flags = used.bool().tolist()
@@ -187,7 +190,7 @@ class ZeroEngine:
         """Clip ``optimizer``'s gradients by their global norm over all shards; returns the norm (collective)."""
         self.prepare_step(optimizer)
         grads = self._piece_grads(optimizer)
-        device = self.buckets[0].shard_grad.device if self.buckets else torch.device("cpu")
+        device = self.device
         if math.isinf(norm_type):
             local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
             total = local.float().clone()
