@@ -56,14 +56,12 @@ class ZeroPrecision(Precision):
     def optimizer_step(
         self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        # Run forward and backward first, like Lightning's AMP plugin: the reduced gradients must be
-        # handed to the optimizer (and clipped) before the step, so the closure cannot run inside it.
+        # Run forward and backward first, like Lightning's AMP plugin, so that clipping sees the reduced
+        # gradients and the updated shards are gathered right after the step.
         closure_result = closure()
-        engine = self._require_engine()
-        engine.prepare_step(optimizer)
         self._after_closure(model, optimizer)
         optimizer.step(**kwargs)
-        engine.finish_step(optimizer)
+        self._require_engine().finish_step(optimizer)
         return closure_result
 
     @override

@@ -151,13 +151,14 @@ class ZeroStrategy(ParallelStrategy):
     @property
     @override
     def precision_plugin(self) -> ZeroPrecision:
-        assert self._precision_plugin is not None
-        return self._precision_plugin
+        return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision()
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        self._precision_plugin = ZeroPrecision.from_plugin(precision_plugin or Precision())
+        # None stays None so that Lightning applies the Trainer's `precision` flag or `plugins`, which then
+        # arrive here as Lightning's own plugin and are translated (or refused with the supported list).
+        self._precision_plugin = None if precision_plugin is None else ZeroPrecision.from_plugin(precision_plugin)
 
     @override
     def _configure_launcher(self) -> None:

@@ -5,16 +5,18 @@ Buckets are reduced in a fixed order (their index, roughly reverse registration 
 roughly backward order), whatever order their gradients arrive in: bucket ``i`` is launched only
 after buckets ``0..i-1``. Ranks whose graphs differ (a parameter unused on one rank) therefore still
 issue the same collectives in the same order. At the end of a reducing backward every bucket is
-launched, complete or not (missing gradients count as zero), as DDP does.
+launched, complete or not (missing gradients count as zero), as DDP does, followed by one small
+all-reduce of which parameters got a gradient on any rank in this pass.
 
 [Note: gradient liveness]
 torch's contract is that gradients accumulate until ``zero_grad``. The optimizer sees the reduced
 gradient through its pieces (see [Note: parameter views and optimizer pieces]); ``zero_grad`` sets a
-piece's ``grad`` to ``None`` or zeroes it in place. A bucket therefore reads, when a new accumulation
-cycle starts (its first gradient after an optimizer step), which pieces still hold a live gradient,
-keeps those and clears the rest. A piece whose parameter got no gradient on any rank during the
-cycle, and held none before, gets ``grad = None`` so that the optimizer skips it, exactly like DDP
-leaves a globally unused parameter's gradient untouched.
+piece's ``grad`` to ``None`` or zeroes it in place, at any time, e.g. between the backward passes of
+two optimizers. So a bucket looks at its pieces each time it folds a new reduction into its storage:
+a piece whose ``grad`` is ``None`` holds nothing and is overwritten, a live one is added to. After
+each reducing pass a piece gets ``grad`` = its slice of the reduced shard, unless its parameter got no
+gradient on any rank in the pass and it held none before: then it stays ``None`` and the optimizer
+skips it, as DDP leaves a globally unused parameter's gradient untouched.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core.comm import Communicator, Work
-from lightning_zero.core.flat_buffer import FlatParamBuffer
+from lightning_zero.core.flat_buffer import FlatParamBuffer, ShardPiece
+from lightning_zero.core.layout import Piece
 
 
 class GradBucket(ABC):
@@ -41,12 +44,10 @@ class GradBucket(ABC):
     def __init__(self, buffer: FlatParamBuffer, comm: Communicator) -> None:
         self.buffer = buffer
         self.comm = comm
-        self.locally_used = [False] * len(buffer.params)  # got a gradient here since the last finalize
+        self.locally_used = [False] * len(buffer.params)  # got a gradient here since the last reduction
         self._arrived = [False] * len(buffer.params)  # got a gradient in the current backward pass
         self._missing = len(buffer.params)
         self._launched = False
-        self._cycle_open = False
-        self._live_before = [False] * len(buffer.pieces)  # see [Note: gradient liveness]
         self._work: Work | None = None
 
     @property
@@ -55,13 +56,12 @@ class GradBucket(ABC):
 
     def add_grad(self, slot: int, grad: Tensor) -> None:
         if self._launched:
-            name = self.buffer.layout.slots[slot]
             raise RuntimeError(
-                f"a parameter of shape {name.shape} received a second gradient after its bucket was reduced in "
-                "this backward pass. Reentrant backward calls inside one pass (e.g. reentrant activation "
-                "checkpointing) are not supported; use torch.utils.checkpoint with use_reentrant=False."
+                f"a parameter of shape {self.buffer.layout.slots[slot].shape} received a second gradient after "
+                "its bucket was reduced in this backward pass. Reentrant backward calls inside one pass (e.g. "
+                "reentrant activation checkpointing) are not supported; use torch.utils.checkpoint with "
+                "use_reentrant=False."
             )
-        self._open_cycle()
         self._accumulate(slot, grad)
         self.locally_used[slot] = True
         if not self._arrived[slot]:
@@ -70,47 +70,31 @@ class GradBucket(ABC):
 
     def launch(self) -> None:
         """Start the asynchronous reduce-scatter of this bucket."""
-        self._open_cycle()
         self._launched = True
         self._start_reduce()
 
-    def finish(self) -> None:
-        """Wait for the reduction and fold it into ``shard_grad``; the pass is over."""
-        if self._launched:
-            self._finish_reduce()
-        self._arrived = [False] * len(self.buffer.params)
-        self._missing = len(self.buffer.params)
+    def finish(self, globally_used: Sequence[bool]) -> None:
+        """Wait for the reduction, fold it in and hand it to the pieces. See [Note: gradient liveness]."""
+        assert self._work is not None
+        self._work.wait()
+        self._work = None
+        self._fold_reduction(globally_used)
+        self.locally_used = [False] * len(self.buffer.params)
         self._launched = False
 
-    def finalize(self, globally_used: Sequence[bool]) -> None:
-        """Hand the reduced gradient to the optimizer's pieces. See [Note: gradient liveness]."""
-        if not self._cycle_open:
-            return
-        for index, (piece, param) in enumerate(zip(self.buffer.pieces, self.buffer.piece_params, strict=True)):
-            live = globally_used[piece.slot] or self._live_before[index]
-            param.grad = FlatParamBuffer.shard_view(self.shard_grad, piece) if live else None
-        self.locally_used = [False] * len(self.buffer.params)
-        self._cycle_open = False
+    def end_pass(self) -> None:
+        """Forget which gradients arrived in the backward pass that just ended."""
+        self._arrived = [False] * len(self.buffer.params)
+        self._missing = len(self.buffer.params)
 
-    def _open_cycle(self) -> None:
-        if self._cycle_open:
-            return
-        self._live_before = [param.grad is not None for param in self.buffer.piece_params]
-        self._start_cycle()
-        self._cycle_open = True
-
-    def _dead_piece_views(self, shard: Tensor) -> Iterator[Tensor]:
-        for piece, live in zip(self.buffer.pieces, self._live_before, strict=True):
-            if not live:
-                yield FlatParamBuffer.shard_view(shard, piece)
+    def _pieces(self) -> Iterator[tuple[Piece, ShardPiece, Tensor]]:
+        """(piece, its optimizer tensor, its view of ``shard_grad``) for each parameter."""
+        for piece, param in zip(self.buffer.pieces, self.buffer.piece_params, strict=True):
+            yield piece, param, FlatParamBuffer.shard_view(self.shard_grad, piece)
 
     def _slot_view(self, flat: Tensor, slot: int) -> Tensor:
         entry = self.buffer.layout.slots[slot]
         return flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
-
-    @abstractmethod
-    def _start_cycle(self) -> None:
-        """Bring the storage to the start of an accumulation cycle, keeping live gradients."""
 
     @abstractmethod
     def _accumulate(self, slot: int, grad: Tensor) -> None:
@@ -120,7 +104,7 @@ class GradBucket(ABC):
     def _start_reduce(self) -> None: ...
 
     @abstractmethod
-    def _finish_reduce(self) -> None: ...
+    def _fold_reduction(self, globally_used: Sequence[bool]) -> None: ...
 
     @property
     @abstractmethod
@@ -133,13 +117,17 @@ class GradReducer:
 
     Args:
         buckets: in launch order (see [Note: bucket order]).
+        comm: the shard group.
         overlap_comm: launch a bucket's reduction as soon as it is complete instead of after backward.
         reduce_every_backward: stage 2 reduces in every backward; stage 1 only in backward passes that are
             not inside :meth:`no_sync` (gradient accumulation keeps full local gradients instead).
     """
 
-    def __init__(self, buckets: Sequence[GradBucket], overlap_comm: bool, reduce_every_backward: bool) -> None:
+    def __init__(
+        self, buckets: Sequence[GradBucket], comm: Communicator, overlap_comm: bool, reduce_every_backward: bool
+    ) -> None:
         self.buckets = list(buckets)
+        self.comm = comm
         self.overlap_comm = overlap_comm
         self.reduce_every_backward = reduce_every_backward
         self._sync = True
@@ -189,6 +177,22 @@ class GradReducer:
         if self._reducing:
             for bucket in self.buckets[self._next_launch :]:
                 bucket.launch()
+            globally_used = self._agree_on_used()
+            for bucket, used in zip(self.buckets, globally_used, strict=True):
+                bucket.finish(used)
         for bucket in self.buckets:
-            bucket.finish()
+            bucket.end_pass()
         self._next_launch = 0
+
+    def _agree_on_used(self) -> list[list[bool]]:
+        """Which parameters got a gradient on any rank since the last reduction, per bucket."""
+        flags = [used for bucket in self.buckets for used in bucket.locally_used]
+        device = self.buckets[0].buffer.data.device
+        merged = torch.tensor(flags, dtype=torch.uint8, device=device)
+        self.comm.all_reduce(merged, op="max")
+        merged_flags = merged.bool().tolist()
+        per_bucket, start = [], 0
+        for bucket in self.buckets:
+            per_bucket.append(merged_flags[start : start + len(bucket.locally_used)])
+            start += len(bucket.locally_used)
+        return per_bucket

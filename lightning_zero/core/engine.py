@@ -8,9 +8,10 @@ The engine knows nothing about Lightning. Its life:
    group's ``params`` are replaced by this rank's pieces (see [Note: parameter views and optimizer
    pieces]). Existing optimizer state is sliced into the pieces.
 2. Backward: gradient hooks fill the buckets and reduce-scatter them (see [Note: bucket order]).
-3. ``prepare_step(optimizer)``: agree on which parameters got gradients, hand the reduced shards to the
-   pieces (see [Note: gradient liveness]); clipping helpers call it too.
-4. ``optimizer.step()`` by the caller, then ``finish_step(optimizer)``: all-gather the updated parameters.
+   At the end of a reducing backward the ranks agree on which parameters got gradients and each piece
+   receives its slice of the reduced shard as ``grad`` (see [Note: gradient liveness]).
+3. ``clip_grad_norm_`` / ``clip_grad_value_`` if asked, ``optimizer.step()`` by the caller, then
+   ``finish_step(optimizer)``: all-gather the updated parameters.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ class _Binding:
     optimizer: Optimizer
     groups: list[list[nn.Parameter]]  # the original params of each param group, in the user's order
     buckets: list[GradBucket] = field(default_factory=list)
-    prepared: bool = False  # gradients were handed to the pieces for the coming step
 
 
 class ZeroEngine:
@@ -66,7 +66,7 @@ class ZeroEngine:
         self._agree_across_ranks()
         self.broadcast_module_states(module, comm)
         self.buckets = self._build_buckets()
-        self.reducer = GradReducer(self.buckets, config.overlap_comm, reduce_every_backward=config.stage >= 2)
+        self.reducer = GradReducer(self.buckets, comm, config.overlap_comm, reduce_every_backward=config.stage >= 2)
         for binding in self.bindings:
             self._bind_optimizer(binding)
         self.last_step_comm = CommStats()
@@ -161,34 +161,15 @@ class ZeroEngine:
         with self.reducer.no_sync():
             yield
 
-    def prepare_step(self, optimizer: Optimizer) -> None:
-        """Give ``optimizer``'s pieces their reduced gradients (collective; once per step, idempotent)."""
-        binding = self._binding(optimizer)
-        if binding.prepared:
-            return
-        flags = [u for b in binding.buckets for u in b.locally_used]
-        used = torch.tensor(flags, dtype=torch.uint8, device=self.device)
-        if used.numel():
-            self.comm.all_reduce(used, op="max")
-        flags = used.bool().tolist()
-        start = 0
-        for bucket in binding.buckets:
-            count = len(bucket.buffer.params)
-            bucket.finalize(flags[start : start + count])
-            start += count
-        binding.prepared = True
-
     def finish_step(self, optimizer: Optimizer) -> None:
         """All-gather the parameters that ``optimizer`` just updated in this rank's shard."""
         binding = self._binding(optimizer)
         works = [self.comm.all_gather(b.buffer.data, b.buffer.shard, async_op=True) for b in binding.buckets]
         wait_all(works)
-        binding.prepared = False
         self.last_step_comm = self.comm.stats.reset()
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip ``optimizer``'s gradients by their global norm over all shards; returns the norm (collective)."""
-        self.prepare_step(optimizer)
         grads = self._piece_grads(optimizer)
         device = self.device
         if math.isinf(norm_type):
@@ -209,7 +190,6 @@ class ZeroEngine:
         return total
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
-        self.prepare_step(optimizer)
         for grad in self._piece_grads(optimizer):
             grad.clamp_(min=-clip_value, max=clip_value)
 

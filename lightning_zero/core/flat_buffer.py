@@ -4,11 +4,13 @@
 ``FlatParamBuffer`` copies its parameters into one padded 1D tensor and points each ``param.data``
 at its slice, so the module keeps its own ``nn.Parameter`` objects (hooks, ``state_dict`` keys and
 tied weights stay as the user made them). The rank's shard of the buffer is exposed to the optimizer
-as one ``nn.Parameter`` per :class:`~lightning_zero.core.layout.Piece`: a 1D view of the part of one
-parameter that the rank owns. The optimizer therefore sees per-parameter tensors, keeps per-parameter
-state for exactly the owned elements, and skips a parameter whose ``grad`` is ``None`` as it would
-without sharding. Its in-place update writes straight into the flat buffer, from where the updated
-shard is all-gathered.
+as one :class:`ShardPiece` per parameter: a 1D view of the part of that parameter the rank owns
+(empty when it owns none, so every rank lists the same parameters). The optimizer therefore sees
+per-parameter tensors, keeps per-parameter state for exactly the owned elements, and skips a
+parameter whose ``grad`` is ``None`` as it would without sharding. Its in-place update writes
+straight into the flat buffer, from where the updated shard is all-gathered. A piece forwards
+``requires_grad`` to its parameter, so code that freezes "the optimizer's parameters" (Lightning's
+``toggle_optimizer``) freezes the module's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,28 @@ from torch import Tensor, nn
 from lightning_zero.core.layout import FlatLayout, Piece
 
 
+class ShardPiece(nn.Parameter):
+    """The optimizer's view of the part of ``owner`` this rank owns.
+
+    See [Note: parameter views and optimizer pieces].
+    """
+
+    owner: nn.Parameter
+
+    def __new__(cls, data: Tensor, owner: nn.Parameter) -> ShardPiece:
+        piece = super().__new__(cls, data, requires_grad=True)
+        piece.owner = owner
+        return piece
+
+    @property
+    def requires_grad(self) -> bool:  # type: ignore[override]
+        return self.owner.requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self.owner.requires_grad_(value)
+
+
 class FlatParamBuffer:
     """Parameters of one dtype, device and optimizer param group, laid out flat and sharded."""
 
@@ -28,8 +52,8 @@ class FlatParamBuffer:
     params: list[nn.Parameter]
     data: Tensor  # 1D, layout.padded_numel elements; params are views into it
     shard: Tensor  # 1D view of data: this rank's layout.shard_numel elements
-    pieces: tuple[Piece, ...]  # the parts of params inside this rank's shard
-    piece_params: list[nn.Parameter]  # one 1D view of the shard per piece, handed to the optimizer
+    pieces: list[Piece]  # per param, its part inside this rank's shard (empty where it has none)
+    piece_params: list[ShardPiece]  # per param, a 1D view of the shard for the optimizer
 
     def __init__(self, params: Sequence[nn.Parameter], rank: int, world_size: int) -> None:
         dtypes = {p.dtype for p in params}
@@ -46,8 +70,12 @@ class FlatParamBuffer:
                 param.data = view
         lo, hi = self.layout.shard_bounds(rank)
         self.shard = self.data[lo:hi]
-        self.pieces = self.layout.pieces(rank)
-        self.piece_params = [nn.Parameter(self.shard_view(self.shard, piece)) for piece in self.pieces]
+        owned = {piece.slot: piece for piece in self.layout.pieces(rank)}
+        self.pieces = [owned.get(slot, Piece(slot, 0, 0, 0)) for slot in range(len(self.params))]
+        self.piece_params = [
+            ShardPiece(self.shard_view(self.shard, piece), param)
+            for piece, param in zip(self.pieces, self.params, strict=True)
+        ]
 
     def param_views(self, flat: Tensor) -> list[Tensor]:
         """Views of a full-size flat tensor shaped like each parameter."""

@@ -1,12 +1,14 @@
 """Stage 2: only the rank's gradient shard persists; each bucket is reduce-scattered during backward.
 
 A bucket's full gradient lives in a staging buffer from its first gradient until its reduce-scatter
-completes; the averaged result is added into the persistent shard (4Ψ/N bytes in fp32). Every
+completes; the averaged result is folded into the persistent shard (4Ψ/N bytes in fp32). Every
 backward pass reduces, micro-batches of gradient accumulation included, so per rank the model
 states cost 4Ψ + 12Ψ/N bytes for fp32 Adam plus the staging buckets in flight.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -20,18 +22,13 @@ class ShardGradBucket(GradBucket):
     """A bucket that keeps only this rank's shard of the averaged gradient."""
 
     staging: Tensor | None  # 1D, layout.padded_numel while the bucket is being filled or reduced
+    _output: Tensor | None  # 1D, layout.shard_numel while the reduction is in flight
 
     def __init__(self, buffer: FlatParamBuffer, comm: Communicator) -> None:
         super().__init__(buffer, comm)
         self.shard_grad = torch.zeros_like(buffer.shard)
         self.staging = None
-        self._overwrite = False  # the shard holds nothing live, so the reduction may write it directly
-        self._output: Tensor | None = None
-
-    def _start_cycle(self) -> None:
-        for view in self._dead_piece_views(self.shard_grad):
-            view.zero_()
-        self._overwrite = not any(self._live_before)
+        self._output = None
 
     def _accumulate(self, slot: int, grad: Tensor) -> None:
         if self.staging is None:
@@ -43,15 +40,26 @@ class ShardGradBucket(GradBucket):
             self.staging = torch.zeros_like(self.buffer.data)
         # Divide before summing, as DDP does, so the result matches it and fp16 sums stay in range.
         self.staging.div_(self.comm.world_size)
-        self._output = self.shard_grad if self._overwrite else torch.empty_like(self.shard_grad)
+        self._output = torch.empty_like(self.shard_grad)
         self._work = self.comm.reduce_scatter(self._output, self.staging, async_op=True)
 
-    def _finish_reduce(self) -> None:
-        self._work.wait()
-        if self._output is not self.shard_grad:
+    def _fold_reduction(self, globally_used: Sequence[bool]) -> None:
+        # See [Note: gradient liveness]: overwrite what zero_grad emptied, add to what is live.
+        assert self._output is not None
+        pieces = list(self._pieces())
+        live = [param.grad is not None for _, param, _ in pieces]
+        if all(globally_used) and all(live):
             self.shard_grad.add_(self._output)
-        self._work, self._output, self.staging = None, None, None
-        self._overwrite = False
+        elif all(globally_used) and not any(live):
+            self.shard_grad.copy_(self._output)
+        else:
+            for (piece, _, view), was_live in zip(pieces, live, strict=True):
+                if globally_used[piece.slot]:
+                    part = FlatParamBuffer.shard_view(self._output, piece)
+                    view.add_(part) if was_live else view.copy_(part)
+        for (piece, param, view), was_live in zip(pieces, live, strict=True):
+            param.grad = view if globally_used[piece.slot] or was_live else None
+        self.staging, self._output = None, None
 
     @property
     def nbytes(self) -> int:

@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
-from tests.dist.models import TinyLM, batch, loss_fn
+from tests.distributed.models import TinyLM, batch, loss_fn
 
 STEPS = 5
 
@@ -117,7 +117,6 @@ def train_zero(model: nn.Module, case: Case, rank: int, stage: int, comm: Commun
             engine.clip_grad_norm_(optimizer, case.clip_norm)
         if case.clip_value is not None:
             engine.clip_grad_value_(optimizer, case.clip_value)
-        engine.prepare_step(optimizer)
         optimizer.step()
         engine.finish_step(optimizer)
     engine.remove_hooks()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.parity import CASES, run_all_cases
+from tests.distributed.parity import CASES, run_all_cases
 from tests.helpers import run_on_ranks
 
 TOLERANCE = 1e-5

@@ -9,7 +9,7 @@ from torch import nn
 from lightning_zero.config import ZeroConfig
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
-from tests.dist.models import TinyLM, batch, loss_fn
+from tests.distributed.models import TinyLM, batch, loss_fn
 from tests.helpers import run_on_ranks
 
 FP32 = 4
@@ -23,7 +23,6 @@ def _one_step(rank: int, world_size: int, stage: int) -> dict:
     tokens, targets = batch(seed=rank)
     loss_fn(model, tokens, targets).backward()
     during_backward_end = engine.memory_report()
-    engine.prepare_step(optimizer)
     optimizer.step()
     engine.finish_step(optimizer)
     pieces = [p for g in optimizer.param_groups for p in g["params"]]

@@ -10,8 +10,8 @@ import torch
 from lightning_zero.config import ZeroConfig
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
-from tests.dist.parity import CASES, make_optimizer, relative_difference, train_ddp, train_zero
-from tests.dist.models import TinyLM
+from tests.distributed.parity import CASES, make_optimizer, relative_difference, train_ddp, train_zero
+from tests.distributed.models import TinyLM
 from tests.helpers import run_on_ranks
 
 

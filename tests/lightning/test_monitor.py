@@ -1,0 +1,129 @@
+"""ZeroMonitor logs the byte counts of the model states each rank holds, and they follow the ZeRO formulas.
+
+TwoLayer(hidden=16) has Ψ = 179 parameter elements in 4 tensors and one param group, hence one flat buffer
+padded to 180 elements for 2 ranks. With fp32 AdamW, per rank: parameters 4Ψ (+ padding) at both stages,
+gradients 4Ψ (stage 1) or 4Ψ/2 (stage 2), optimizer states 8Ψ/2 (exp_avg and exp_avg_sq of the owned
+elements) plus a 4-byte ``step`` per piece; each step moves 8Ψ bytes (reduce-scatter + all-gather, in the
+units of lightning_zero.core.comm) plus a few bytes of agreement on which parameters got gradients.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
+
+from tests.helpers import run_on_ranks
+from tests.lightning.models import TwoLayer, make_loader, make_trainer
+
+WORLD_SIZE = 2
+STEPS = 3
+PSI = 179
+N_TENSORS = 4
+PADDED = math.ceil(PSI / WORLD_SIZE) * WORLD_SIZE
+METRICS = ("zero/params_bytes", "zero/gradients_bytes", "zero/optimizer_states_bytes", "zero/comm_bytes")
+
+
+def _monitor_runs(rank: int, world_size: int, log_dir: str) -> dict[str, Any]:
+    from lightning_zero import ZeroMonitor, ZeroStrategy
+
+    out: dict[str, Any] = {}
+    for stage in (1, 2):
+        model = TwoLayer(hidden=16)
+        trainer = make_trainer(
+            world_size,
+            ZeroStrategy(stage=stage),
+            max_steps=STEPS,
+            logger=CSVLogger(log_dir, name=f"stage{stage}", version=0),
+            log_every_n_steps=1,
+            callbacks=[ZeroMonitor()],
+        )
+        trainer.fit(model, make_loader("two_layer"))
+        strategy = trainer.strategy
+        out[stage] = {
+            "numel": sum(p.numel() for p in model.parameters()),
+            "logged": {k: float(v) for k, v in trainer.logged_metrics.items()},
+            "report": strategy.memory_report().as_dict(),
+            "comm": strategy.comm_report().nbytes,
+        }
+    try:
+        trainer = make_trainer(world_size, DDPStrategy(), max_steps=1, callbacks=[ZeroMonitor()])
+        trainer.fit(TwoLayer(), make_loader("two_layer"))
+        out["ddp_error"] = None
+    except ValueError as error:
+        out["ddp_error"] = str(error)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    log_dir = tmp_path_factory.mktemp("monitor_logs")
+    return log_dir, run_on_ranks(_monitor_runs, WORLD_SIZE, str(log_dir))
+
+
+def _csv_rows(log_dir: Path, stage: int) -> list[dict[str, str]]:
+    path = log_dir / f"stage{stage}" / "version_0" / "metrics.csv"
+    assert path.is_file(), f"CSVLogger wrote no {path}"
+    with path.open() as handle:
+        return [row for row in csv.DictReader(handle) if row.get(METRICS[0])]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_monitor_logs_the_strategy_report_every_step(runs: tuple[Path, list[dict[str, Any]]], stage: int) -> None:
+    log_dir, per_rank = runs
+    rows = _csv_rows(log_dir, stage)
+    assert len(rows) == STEPS
+    rank0 = per_rank[0][stage]
+    expected = {
+        "zero/params_bytes": rank0["report"]["params"],
+        "zero/gradients_bytes": rank0["report"]["gradients"],
+        "zero/optimizer_states_bytes": rank0["report"]["optimizer_states"],
+        "zero/comm_bytes": rank0["comm"],
+    }
+    assert {name: float(rows[-1][name]) for name in METRICS} == expected
+    assert {name: rank0["logged"][name] for name in METRICS} == expected
+    # Model states do not change size between steps; communication is the same every step.
+    for row in rows[1:]:
+        assert {name: float(row[name]) for name in METRICS} == expected
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_memory_report_follows_the_zero_formulas(runs: tuple[Path, list[dict[str, Any]]], stage: int) -> None:
+    _, per_rank = runs
+    assert per_rank[0][stage]["numel"] == PSI
+    own = PADDED // WORLD_SIZE  # elements of a shard, padding included
+    for rank, results in enumerate(per_rank):
+        report = results[stage]["report"]
+        assert 4 * PSI <= report["params"] <= 4 * PADDED, f"rank {rank}: {report}"
+        if stage == 1:
+            assert 4 * PSI <= report["gradients"] <= 4 * PADDED, f"rank {rank}: {report}"
+        else:
+            assert 4 * PSI / WORLD_SIZE <= report["gradients"] <= 4 * own, f"rank {rank}: {report}"
+        real = own - (WORLD_SIZE - 1)  # at least this many real (not padding) elements in any shard
+        steps = 4 * N_TENSORS  # every rank lists one (maybe empty) piece per tensor, each with a 4-byte step
+        assert 8 * real + steps <= report["optimizer_states"] <= 8 * own + steps, f"rank {rank}: {report}"
+    # Over all ranks the moments cover every element exactly once, plus the steps.
+    total = sum(results[stage]["report"]["optimizer_states"] for results in per_rank)
+    assert total == 8 * PSI + 4 * N_TENSORS * WORLD_SIZE
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_comm_bytes_are_one_reduce_scatter_and_one_all_gather(
+    runs: tuple[Path, list[dict[str, Any]]], stage: int
+) -> None:
+    _, per_rank = runs
+    for rank, results in enumerate(per_rank):
+        comm = results[stage]["comm"]
+        assert 8 * PSI <= comm <= 8 * PADDED + 64, f"rank {rank}: {comm} bytes"
+
+
+def test_monitor_rejects_other_strategies(runs: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, per_rank = runs
+    for rank, results in enumerate(per_rank):
+        assert results["ddp_error"] is not None, f"rank {rank}: ZeroMonitor accepted DDPStrategy"
+        assert "ZeroStrategy" in results["ddp_error"]
