@@ -3,11 +3,20 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.core.memory import MemoryReport
+from lightning_zero.estimate import MemoryEstimate, estimate_memory
 from lightning_zero.monitor import ZeroMonitor
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.strategy import ZeroStrategy
 
 __version__ = "0.1.0"
-__all__ = ["MemoryReport", "ZeroMonitor", "ZeroPrecision", "ZeroStrategy", "__version__"]
+__all__ = [
+    "MemoryEstimate",
+    "MemoryReport",
+    "ZeroMonitor",
+    "ZeroPrecision",
+    "ZeroStrategy",
+    "__version__",
+    "estimate_memory",
+]
 
 ZeroStrategy.register_strategies(StrategyRegistry)

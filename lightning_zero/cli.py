@@ -1,9 +1,29 @@
-"""The ``lightning-zero`` command: argument parsing, then a call into the library."""
+"""The ``lightning-zero`` command: argument parsing, then a call into the library.
+
+``lightning-zero estimate`` builds a model on the meta device (nothing is allocated) and prints the
+per-rank memory of its model states at every ZeRO stage::
+
+    lightning-zero estimate --model examples.gpt:GPTLightningModule \\
+        --init-args '{"n_layer": 8, "n_embd": 512, "n_head": 8}' --world-size 8
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import os
+import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_zero.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS, STAGES, MemoryEstimate, estimate_memory
+
+_COLUMNS = ("stage", "params", "gradients", "optimizer states", "offloaded", "total")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -11,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="lightning-zero", description="ZeRO for PyTorch Lightning.")
     parser.add_argument("--version", action="version", version=f"lightning-zero {__version__}")
-    parser.add_subparsers(dest="command", title="commands")
+    commands = parser.add_subparsers(dest="command", title="commands")
+    _add_estimate_parser(commands)
     return parser
 
 
@@ -20,4 +41,176 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
+    elif args.command == "estimate":
+        _estimate(args)
     return 0
+
+
+# ----------------------------------------------------------------------------- estimate
+
+
+def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
+    estimate = commands.add_parser(
+        "estimate",
+        help="per-rank memory of parameters, gradients and optimizer states at each ZeRO stage",
+        description=(
+            "Build the model on the meta device (nothing is allocated) and print the per-rank bytes of its "
+            "model states at stage 0 (DDP), 1, 2 and 3. Activations, buffers, padding and optimizer step "
+            "counters are not included."
+        ),
+    )
+    estimate.add_argument(
+        "--model",
+        help="the model class as package.module:Class (or package.module.Class); overrides the class_path of --config",
+    )
+    estimate.add_argument("--init-args", default="{}", help="keyword arguments of the class, as a JSON object")
+    estimate.add_argument(
+        "--config",
+        type=Path,
+        help="a LightningCLI YAML config; its model section gives class_path and init_args, or plain init args",
+    )
+    estimate.add_argument("--world-size", type=_positive_int, required=True, help="number of ranks")
+    estimate.add_argument("--precision", choices=list(PRECISIONS), default="16-mixed", help="default: 16-mixed")
+    estimate.add_argument("--optimizer", choices=list(OPTIMIZER_STATE_BYTES), default="adamw", help="default: adamw")
+    estimate.add_argument(
+        "--offload-optimizer", choices=["cpu", "nvme"], default=False, help="stages 1-3: optimizer states off device"
+    )
+    estimate.add_argument(
+        "--offload-params", choices=["cpu", "nvme"], default=False, help="stage 3: parameter shard off device"
+    )
+
+
+def _estimate(args: argparse.Namespace) -> None:
+    class_path, init_args = _model_spec(args)
+    model = _build_on_meta(class_path, init_args)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    print(f"{class_path}: {total:,} parameters ({trainable:,} trainable)")
+    print(
+        f"world_size={args.world_size}, precision={args.precision}, optimizer={args.optimizer}, "
+        f"offload_optimizer={args.offload_optimizer}, offload_params={args.offload_params}\n"
+    )
+    rows = [_row(model, stage, args) for stage in STAGES]
+    print(_format_table(rows))
+    print("Per rank; 1 GB = 1e9 bytes. Not included: activations, buffers, padding, optimizer step counters.")
+    if args.offload_optimizer or args.offload_params:
+        print("Offload applies where the stage allows it: optimizer from stage 1, parameters at stage 3 only.")
+
+
+def _row(model: nn.Module, stage: int, args: argparse.Namespace) -> list[str]:
+    """One table row; each offload option is applied only at the stages that support it."""
+    estimate = estimate_memory(
+        model,
+        stage=stage,
+        world_size=args.world_size,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        offload_optimizer=args.offload_optimizer if stage >= 1 else False,
+        offload_params=args.offload_params if stage == 3 else False,
+    )
+    return [_stage_label(stage), *map(_human_bytes, _columns_of(estimate))]
+
+
+def _columns_of(estimate: MemoryEstimate) -> tuple[int, ...]:
+    return estimate.params, estimate.gradients, estimate.optimizer_states, estimate.offloaded, estimate.total
+
+
+def _stage_label(stage: int) -> str:
+    return "0 (DDP)" if stage == 0 else str(stage)
+
+
+def _human_bytes(nbytes: int) -> str:
+    """Decimal units, as in the ZeRO paper: GB with 2 decimals from 1 GB, MB below."""
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.2f} MB"
+
+
+def _format_table(rows: list[list[str]]) -> str:
+    widths = [max(len(cell) for cell in column) for column in zip(_COLUMNS, *rows, strict=True)]
+    lines = []
+    for cells in [list(_COLUMNS), *rows]:
+        stage, *values = cells
+        lines.append(
+            "  ".join([stage.ljust(widths[0])] + [v.rjust(w) for v, w in zip(values, widths[1:], strict=True)])
+        )
+    return "\n".join(lines)
+
+
+def _model_spec(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """The class path and init args from --config, then --model and --init-args on top."""
+    class_path, init_args = _read_config(args.config) if args.config is not None else (None, {})
+    class_path = args.model or class_path
+    if class_path is None:
+        raise SystemExit(
+            "lightning-zero estimate: no model class given. Pass --model package.module:Class, "
+            "or a --config whose model section has a class_path."
+        )
+    try:
+        overrides = json.loads(args.init_args)
+    except json.JSONDecodeError as error:
+        raise SystemExit(
+            f"lightning-zero estimate: --init-args {args.init_args!r} is not valid JSON: {error}"
+        ) from None
+    if not isinstance(overrides, dict):
+        raise SystemExit(f"lightning-zero estimate: --init-args must be a JSON object, got {args.init_args!r}.")
+    return class_path, {**init_args, **overrides}
+
+
+def _read_config(path: Path) -> tuple[str | None, dict[str, Any]]:
+    """``model:`` of a LightningCLI config: ``{class_path, init_args}`` or the init args themselves."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise SystemExit(f"lightning-zero estimate: cannot read --config {str(path)!r}: {error}") from None
+    model = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model, dict):
+        raise SystemExit(
+            f"lightning-zero estimate: --config {str(path)!r} has no 'model:' section with init args or a class_path."
+        )
+    if "class_path" in model:
+        return model["class_path"], dict(model.get("init_args") or {})
+    return None, model
+
+
+def _build_on_meta(class_path: str, init_args: dict[str, Any]) -> nn.Module:
+    """Instantiate the class on the meta device, then run its ``configure_model()`` if it has one."""
+    cls = _import_class(class_path)
+    with torch.device("meta"):
+        try:
+            model = cls(**init_args)
+        except TypeError as error:
+            raise SystemExit(f"lightning-zero estimate: cannot build {class_path} with {init_args}: {error}") from None
+        configure_model = getattr(model, "configure_model", None)
+        if callable(configure_model):
+            configure_model()
+    if not isinstance(model, nn.Module):
+        raise SystemExit(
+            f"lightning-zero estimate: {class_path} built a {type(model).__name__}, not a torch.nn.Module."
+        )
+    return model
+
+
+def _import_class(class_path: str) -> Any:
+    """``package.module:Class`` or ``package.module.Class``, importable from the working directory."""
+    module_name, sep, name = class_path.partition(":") if ":" in class_path else class_path.rpartition(".")
+    if not module_name or not name or not sep:
+        raise SystemExit(f"lightning-zero estimate: --model {class_path!r} is not of the form package.module:Class.")
+    # A console script's sys.path starts at its own directory; models usually live in the working one.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise SystemExit(f"lightning-zero estimate: cannot import {class_path!r}: {error}") from None
+    if not hasattr(module, name):
+        raise SystemExit(
+            f"lightning-zero estimate: cannot import {class_path!r}: module {module_name!r} has no {name!r}."
+        )
+    return getattr(module, name)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return int(text)

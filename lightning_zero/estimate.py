@@ -1,0 +1,182 @@
+"""estimate_memory(): the ZeRO paper's per-rank bytes of model states, from parameter counts alone.
+
+Nothing is allocated: the model may live on the meta device, so a 70B-parameter model built under
+``with torch.device("meta"):`` is estimated in milliseconds. The formulas are those of the ZeRO
+paper (Rajbhandari et al., 2020, section 3 and Figure 1); ``docs/estimate.md`` shows them as a table.
+
+[Note: estimate formulas]
+Ψ is the number of trainable parameters (elements), Φ the number of frozen ones, N ``world_size``.
+Each precision has a width for parameters and for gradients, and a width for the fp32 master copy
+that the optimizer keeps when training runs in 16 bits; the optimizer adds K bytes of element-wise
+state per parameter (Adam/AdamW: exp_avg and exp_avg_sq, 8 bytes). Per rank:
+
+    params           = param_width * (Ψ + Φ)       / N at stage 3
+    gradients        = grad_width * Ψ              / N at stages 2-3
+    optimizer_states = (K + master_width) * Ψ      / N at stages 1-3
+
+Stage 0 is plain DDP (nothing divided), for comparison. Mixed-precision Adam is the paper's
+2 + 2 + 12 bytes per parameter. Offloading moves optimizer_states (and at stage 3 the parameter
+shard) from the device into ``offloaded``. Not counted: padding of flat buffers (fewer than N
+elements each), scalar optimizer state (a 4-byte ``step`` per tensor per rank), buffers,
+activations, temporary communication buffers and the allocator's fragmentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
+
+from torch import nn
+
+from lightning_zero.config import OFFLOAD_TARGETS, Offload
+
+STAGES = (0, 1, 2, 3)
+
+
+class _Widths(NamedTuple):
+    """Bytes per parameter element of one precision."""
+
+    param: int
+    grad: int
+    master: int  # fp32 master copy kept with the optimizer state; 0 when the parameters are fp32
+
+
+# fp32 training keeps nothing extra; 16-bit training keeps an fp32 master copy of each rank's shard.
+PRECISIONS: dict[str, _Widths] = {
+    "32-true": _Widths(param=4, grad=4, master=0),
+    "16-mixed": _Widths(param=2, grad=2, master=4),
+    "bf16-mixed": _Widths(param=2, grad=2, master=4),
+    "bf16-true": _Widths(param=2, grad=2, master=4),
+}
+
+# K: bytes of element-wise fp32 state per trainable parameter (torch.optim defaults).
+OPTIMIZER_STATE_BYTES: dict[str, int] = {
+    "adamw": 8,  # exp_avg + exp_avg_sq
+    "adam": 8,
+    "sgd": 0,  # momentum=0 keeps no state
+    "sgd_momentum": 4,  # momentum_buffer
+    "adagrad": 4,  # sum
+    "rmsprop": 4,  # square_avg (momentum=0, centered=False)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """Estimated bytes of model states per rank; ``offloaded`` ones live on CPU/NVMe, the rest on the device.
+
+    The fields are those of :class:`~lightning_zero.core.memory.MemoryReport`, which measures the same
+    quantities from the tensors a rank actually holds.
+    """
+
+    params: int
+    gradients: int
+    optimizer_states: int
+    offloaded: int = 0
+
+    @property
+    def total(self) -> int:
+        """Device-resident bytes: parameters + gradients + optimizer states."""
+        return self.params + self.gradients + self.optimizer_states
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def estimate_memory(
+    model: nn.Module,
+    *,
+    stage: int,
+    world_size: int,
+    precision: str = "16-mixed",
+    optimizer: str = "adamw",
+    offload_optimizer: Offload = False,
+    offload_params: Offload = False,
+) -> MemoryEstimate:
+    """Estimate the bytes of parameters, gradients and optimizer state that each rank holds.
+
+    Only ``p.numel()`` and ``p.requires_grad`` of ``model.parameters()`` are read (tied parameters
+    count once), so the model may be on the meta device. Trainable parameters cost parameter,
+    gradient and optimizer bytes; frozen ones cost parameter bytes only (sharded at stage 3 like the
+    rest). See [Note: estimate formulas] in this module for the arithmetic.
+
+    Not included: padding (fewer than ``world_size`` elements per flat buffer), small scalars such as
+    the optimizer's ``step`` counters (4 bytes per tensor per rank), buffers, activations and
+    temporary communication buffers.
+
+    Args:
+        model: the module to train, on any device including ``"meta"``.
+        stage: 0 (plain DDP, no sharding: for comparison), 1 (optimizer state sharded), 2 (+ gradients)
+            or 3 (+ parameters).
+        world_size: number of ranks the states are sharded over.
+        precision: ``"32-true"`` (4 + 4 bytes of parameter and gradient per element), or
+            ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"`` (2 + 2, plus a 4-byte fp32 master copy
+            kept with the optimizer state).
+        optimizer: one of ``"adamw"``, ``"adam"`` (8 bytes of state per element), ``"sgd"`` (0),
+            ``"sgd_momentum"``, ``"adagrad"``, ``"rmsprop"`` (4 each).
+        offload_optimizer: ``False``, ``"cpu"`` or ``"nvme"``; when set (stages 1-3), the optimizer
+            states and master copy are counted in ``offloaded`` instead of on the device.
+        offload_params: ``False``, ``"cpu"`` or ``"nvme"``; stage 3 only. When set, the parameter
+            shard is counted in ``offloaded`` too.
+
+    Returns:
+        The per-rank bytes; ``total`` is what stays on the accelerator.
+
+    Raises:
+        ValueError: for a ``model`` that is not an ``nn.Module``, an unknown ``stage``, ``precision``,
+            ``optimizer`` or offload target, a ``world_size`` below 1, ``offload_optimizer`` at stage 0
+            or ``offload_params`` below stage 3.
+    """
+    _check_arguments(model, stage, world_size, precision, optimizer, offload_optimizer, offload_params)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    widths = PRECISIONS[precision]
+    state_width = OPTIMIZER_STATE_BYTES[optimizer] + widths.master
+    params = _per_rank(widths.param * (trainable + frozen), world_size if stage >= 3 else 1)
+    gradients = _per_rank(widths.grad * trainable, world_size if stage >= 2 else 1)
+    optimizer_states = _per_rank(state_width * trainable, world_size if stage >= 1 else 1)
+    offloaded = 0
+    if offload_optimizer:
+        offloaded, optimizer_states = offloaded + optimizer_states, 0
+    if offload_params:
+        offloaded, params = offloaded + params, 0
+    return MemoryEstimate(params=params, gradients=gradients, optimizer_states=optimizer_states, offloaded=offloaded)
+
+
+def _per_rank(nbytes: int, shards: int) -> int:
+    """Bytes of one shard when ``nbytes`` are split evenly over ``shards`` ranks (rounded up)."""
+    return -(-nbytes // shards)
+
+
+def _check_arguments(
+    model: Any,
+    stage: Any,
+    world_size: Any,
+    precision: Any,
+    optimizer: Any,
+    offload_optimizer: Any,
+    offload_params: Any,
+) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    _check_choice("stage", stage, STAGES)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} is not supported; choose a positive int, e.g. world_size=8.")
+    _check_choice("precision", precision, tuple(PRECISIONS))
+    _check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
+    _check_choice("offload_optimizer", offload_optimizer, OFFLOAD_TARGETS)
+    _check_choice("offload_params", offload_params, OFFLOAD_TARGETS)
+    if offload_optimizer and stage == 0:
+        raise ValueError(
+            f"offload_optimizer={offload_optimizer!r} needs stage >= 1, got stage=0 (plain DDP keeps its "
+            "optimizer on the device). Use stage=1, 2 or 3, or offload_optimizer=False."
+        )
+    if offload_params and stage != 3:
+        raise ValueError(
+            f"offload_params={offload_params!r} needs stage=3, got stage={stage}. Use stage=3 or offload_params=False."
+        )
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    # `True == 1`, so compare types too: stage=True must not pass as stage=1.
+    if not any(value == choice and type(value) is type(choice) for choice in allowed):
+        raise ValueError(f"{name}={value!r} is not supported; choose one of {list(allowed)}.")

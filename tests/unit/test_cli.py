@@ -1,0 +1,142 @@
+"""`lightning-zero estimate` builds the model on the meta device and prints one row per stage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_zero import __version__
+from lightning_zero.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+GPT = "examples.gpt:GPTLightningModule"
+# examples.gpt.count_params of the default shape (n_layer=2, n_embd=64, vocab 256, block 64, biases).
+DEFAULT_GPT_PARAMS = 120_576
+
+
+def _rows(output: str) -> dict[str, list[str]]:
+    """Table rows by stage label: '0 (DDP)', '1', '2', '3' -> the five byte columns."""
+    rows = {}
+    for line in output.splitlines():
+        label, _, rest = line.partition("  ")
+        if label.strip() in ("0 (DDP)", "1", "2", "3"):
+            values = rest.split()
+            rows[label.strip()] = [" ".join(values[i : i + 2]) for i in range(0, len(values), 2)]
+    return rows
+
+
+def test_estimate_prints_one_row_per_stage_in_megabytes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--model", GPT, "--world-size", "2", "--precision", "32-true"]) == 0
+    output = capsys.readouterr().out
+    assert f"{GPT}: {DEFAULT_GPT_PARAMS:,} parameters ({DEFAULT_GPT_PARAMS:,} trainable)" in output
+    assert "params  gradients  optimizer states  offloaded" in output
+    # fp32 Adam, Ψ = 120,576, N = 2: 4Ψ = 0.48 MB, 8Ψ = 0.96 MB, totals 16Ψ, 12Ψ, 10Ψ, 8Ψ.
+    assert _rows(output) == {
+        "0 (DDP)": ["0.48 MB", "0.48 MB", "0.96 MB", "0.00 MB", "1.93 MB"],
+        "1": ["0.48 MB", "0.48 MB", "0.48 MB", "0.00 MB", "1.45 MB"],
+        "2": ["0.48 MB", "0.24 MB", "0.48 MB", "0.00 MB", "1.21 MB"],
+        "3": ["0.24 MB", "0.24 MB", "0.48 MB", "0.00 MB", "0.96 MB"],
+    }
+
+
+def test_estimate_builds_a_large_model_in_configure_model_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
+    # 24 layers of width 2048: examples.gpt.count_params gives 1,209,257,984, built on meta in configure_model().
+    init_args = json.dumps({"n_layer": 24, "n_embd": 2048, "n_head": 16})
+    argv = ["estimate", "--model", GPT, "--init-args", init_args, "--world-size", "8", "--offload-optimizer", "cpu"]
+    assert main(argv) == 0
+    output = capsys.readouterr().out
+    assert "1,209,257,984 parameters" in output
+    # 16-mixed Adam: 2Ψ = 2.42 GB; 12Ψ/8 = 1.81 GB offloaded from stage 1; the DDP row has no offload.
+    assert _rows(output) == {
+        "0 (DDP)": ["2.42 GB", "2.42 GB", "14.51 GB", "0.00 MB", "19.35 GB"],
+        "1": ["2.42 GB", "2.42 GB", "0.00 MB", "1.81 GB", "4.84 GB"],
+        "2": ["2.42 GB", "302.31 MB", "0.00 MB", "1.81 GB", "2.72 GB"],
+        "3": ["302.31 MB", "302.31 MB", "0.00 MB", "1.81 GB", "604.63 MB"],
+    }
+    assert "Offload applies where the stage allows it" in output
+
+
+def test_offload_params_applies_to_stage_3_only(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["estimate", "--model", GPT, "--world-size", "2", "--precision", "32-true", "--offload-params", "nvme"]
+    assert main(argv) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert rows["2"][0] == "0.48 MB"
+    assert rows["3"] == ["0.00 MB", "0.24 MB", "0.48 MB", "0.24 MB", "0.72 MB"]
+
+
+def test_estimate_reads_the_model_section_of_a_lightning_cli_config(capsys: pytest.CaptureFixture[str]) -> None:
+    # examples/configs/zero1.yaml gives plain init args (the default shape); the class comes from --model.
+    config = str(REPO / "examples" / "configs" / "zero1.yaml")
+    assert main(["estimate", "--config", config, "--model", GPT, "--world-size", "2", "--precision", "32-true"]) == 0
+    assert _rows(capsys.readouterr().out)["0 (DDP)"][-1] == "1.93 MB"
+
+
+def test_config_class_path_with_init_args_overridden_on_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "model:\n  class_path: examples.gpt.GPTLightningModule\n  init_args:\n    n_layer: 4\n    n_embd: 64\n"
+    )
+    argv = ["estimate", "--config", str(config), "--init-args", '{"n_layer": 2}', "--world-size", "2"]
+    assert main(argv) == 0
+    output = capsys.readouterr().out
+    assert f"examples.gpt.GPTLightningModule: {DEFAULT_GPT_PARAMS:,} parameters" in output
+
+
+@pytest.mark.parametrize(
+    ("model", "match"),
+    [
+        (
+            "no_such_package.models:Net",
+            r"cannot import 'no_such_package.models:Net': No module named 'no_such_package'",
+        ),
+        ("examples.gpt:NoSuchClass", r"cannot import 'examples.gpt:NoSuchClass': module 'examples.gpt' has no"),
+        ("GPTLightningModule", r"--model 'GPTLightningModule' is not of the form package.module:Class"),
+        ("examples.gpt:ByteDataModule", r"examples.gpt:ByteDataModule built a ByteDataModule, not a torch.nn.Module"),
+    ],
+)
+def test_a_model_that_cannot_be_built_exits_with_a_message_naming_it(model: str, match: str) -> None:
+    with pytest.raises(SystemExit, match=match):
+        main(["estimate", "--model", model, "--world-size", "2"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--model", GPT, "--init-args", "{n_layer: 2}"], r"--init-args '\{n_layer: 2\}' is not valid JSON"),
+        (["--model", GPT, "--init-args", "[2]"], r"--init-args must be a JSON object, got '\[2\]'"),
+        (["--model", GPT, "--init-args", '{"depth": 2}'], r"cannot build examples.gpt:GPTLightningModule with"),
+        ([], r"no model class given. Pass --model package.module:Class"),
+        (["--config", "missing.yaml"], r"cannot read --config 'missing.yaml'"),
+    ],
+)
+def test_bad_arguments_exit_with_a_message(extra: list[str], match: str) -> None:
+    with pytest.raises(SystemExit, match=match):
+        main(["estimate", "--world-size", "2", *extra])
+
+
+def test_config_without_a_model_section_exits(tmp_path: Path) -> None:
+    config = tmp_path / "trainer_only.yaml"
+    config.write_text("trainer:\n  devices: 2\n")
+    with pytest.raises(SystemExit, match=r"has no 'model:' section"):
+        main(["estimate", "--config", str(config), "--world-size", "2"])
+
+
+@pytest.mark.parametrize("world_size", ["0", "two"])
+def test_world_size_must_be_a_positive_int(world_size: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--model", GPT, "--world-size", world_size])
+    assert exit_info.value.code == 2
+    assert f"--world-size: must be a positive int, got '{world_size}'" in capsys.readouterr().err
+
+
+def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"lightning-zero {__version__}"
+    assert main([]) == 0
+    assert "estimate" in capsys.readouterr().out

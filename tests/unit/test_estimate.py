@@ -1,0 +1,209 @@
+"""estimate_memory() follows the ZeRO paper's formulas, on meta-device models, with checked arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_zero
+from lightning_zero import MemoryEstimate, estimate_memory
+
+TRAINABLE = 1200  # divisible by every world size used below, so the shards are exact
+FROZEN = 240
+
+
+class TwoTensors(nn.Module):
+    """One trainable and one frozen parameter, on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trained = nn.Parameter(torch.empty(TRAINABLE, device="meta"))
+        self.frozen = nn.Parameter(torch.empty(FROZEN, device="meta"), requires_grad=False)
+
+
+@pytest.fixture
+def model() -> nn.Module:
+    return TwoTensors()
+
+
+# ----------------------------------------------------------------------------- ZeRO paper, Figure 1
+
+
+@pytest.mark.parametrize(("stage", "gigabytes"), [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure_1(stage: int, gigabytes: float) -> None:
+    # Ψ = 7.5B, N_d = 64, mixed-precision Adam (K = 12): (2 + 2 + 12)Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N.
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(10_000, 10_000, bias=False) for _ in range(75)))
+    assert sum(p.numel() for p in model.parameters()) == 7_500_000_000
+    estimate = estimate_memory(model, stage=stage, world_size=64, precision="16-mixed", optimizer="adam")
+    assert round(estimate.total / 1e9, 1) == gigabytes
+    assert estimate.offloaded == 0
+
+
+# ----------------------------------------------------------------------------- formulas
+
+
+@pytest.mark.parametrize(
+    ("precision", "param_width", "grad_width", "master_width"),
+    [("32-true", 4, 4, 0), ("16-mixed", 2, 2, 4), ("bf16-mixed", 2, 2, 4), ("bf16-true", 2, 2, 4)],
+)
+@pytest.mark.parametrize(
+    ("optimizer", "k"), [("adamw", 8), ("adam", 8), ("sgd", 0), ("sgd_momentum", 4), ("adagrad", 4), ("rmsprop", 4)]
+)
+def test_bytes_per_parameter_at_stage_0(
+    model: nn.Module, precision: str, param_width: int, grad_width: int, master_width: int, optimizer: str, k: int
+) -> None:
+    estimate = estimate_memory(model, stage=0, world_size=4, precision=precision, optimizer=optimizer)
+    assert estimate.params == param_width * (TRAINABLE + FROZEN)  # frozen parameters cost parameter bytes...
+    assert estimate.gradients == grad_width * TRAINABLE  # ...and nothing else
+    assert estimate.optimizer_states == (k + master_width) * TRAINABLE
+    assert estimate.offloaded == 0
+
+
+@pytest.mark.parametrize(
+    ("stage", "divided"),
+    [
+        (0, ()),
+        (1, ("optimizer_states",)),
+        (2, ("optimizer_states", "gradients")),
+        (3, ("optimizer_states", "gradients", "params")),
+    ],
+)
+def test_each_stage_divides_one_more_state_by_world_size(model: nn.Module, stage: int, divided: tuple[str]) -> None:
+    full = estimate_memory(model, stage=0, world_size=4).as_dict()
+    sharded = estimate_memory(model, stage=stage, world_size=4).as_dict()
+    for name in ("params", "gradients", "optimizer_states"):
+        assert sharded[name] == (full[name] // 4 if name in divided else full[name]), name
+    assert sharded["total"] == sharded["params"] + sharded["gradients"] + sharded["optimizer_states"]
+
+
+def test_shards_round_up(model: nn.Module) -> None:
+    # 32-true SGD with momentum: 4 * 1200 bytes of state over 7 ranks is 685.7 -> 686 bytes per rank.
+    estimate = estimate_memory(model, stage=1, world_size=7, precision="32-true", optimizer="sgd_momentum")
+    assert estimate.optimizer_states == 686
+
+
+def test_tied_parameters_count_once() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 100, bias=False))
+    model[1].weight = model[0].weight
+    assert estimate_memory(model, stage=0, world_size=1, precision="32-true").params == 4 * 800
+
+
+@pytest.mark.parametrize("target", ["cpu", "nvme"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_optimizer_moves_the_optimizer_states(model: nn.Module, target: str, stage: int) -> None:
+    on_device = estimate_memory(model, stage=stage, world_size=4)
+    offloaded = estimate_memory(model, stage=stage, world_size=4, offload_optimizer=target)
+    assert offloaded.optimizer_states == 0
+    assert offloaded.offloaded == on_device.optimizer_states == (8 + 4) * TRAINABLE // 4  # Adam + fp32 master
+    assert (offloaded.params, offloaded.gradients) == (on_device.params, on_device.gradients)
+    assert offloaded.total == on_device.total - on_device.optimizer_states
+
+
+@pytest.mark.parametrize("target", ["cpu", "nvme"])
+def test_offload_params_moves_the_parameter_shard_at_stage_3(model: nn.Module, target: str) -> None:
+    on_device = estimate_memory(model, stage=3, world_size=4)
+    params_off = estimate_memory(model, stage=3, world_size=4, offload_params=target)
+    assert params_off.params == 0
+    assert params_off.offloaded == on_device.params == 2 * (TRAINABLE + FROZEN) // 4
+    assert params_off.total == on_device.gradients + on_device.optimizer_states
+    both = estimate_memory(model, stage=3, world_size=4, offload_optimizer="cpu", offload_params=target)
+    assert both.offloaded == on_device.params + on_device.optimizer_states
+    assert both.total == on_device.gradients
+
+
+def test_memory_estimate_is_a_frozen_record_like_memory_report(model: nn.Module) -> None:
+    estimate = estimate_memory(model, stage=2, world_size=4, precision="32-true")
+    assert estimate.as_dict() == {
+        "params": 4 * (TRAINABLE + FROZEN),
+        "gradients": 4 * TRAINABLE // 4,
+        "optimizer_states": 8 * TRAINABLE // 4,
+        "offloaded": 0,
+        "total": 4 * (TRAINABLE + FROZEN) + 12 * TRAINABLE // 4,
+    }
+    assert set(estimate.as_dict()) == set(lightning_zero.MemoryReport(0, 0, 0).as_dict())
+    assert not hasattr(estimate, "__dict__")  # slots
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        estimate.params = 0  # type: ignore[misc]
+    assert isinstance(estimate, MemoryEstimate)
+
+
+def test_a_70b_model_on_the_meta_device_is_estimated_without_allocation() -> None:
+    with torch.device("meta"):  # 298 x 8192 x 28672 = 69.99B parameters, nothing allocated
+        model = nn.Sequential(*(nn.Linear(8192, 28672, bias=False) for _ in range(298)))
+    psi = 298 * 8192 * 28672
+    estimate = estimate_memory(model, stage=3, world_size=64, offload_optimizer="cpu")
+    assert estimate.params == estimate.gradients == 2 * psi // 64
+    assert estimate.offloaded == 12 * psi // 64
+    assert all(p.is_meta for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"stage": 4}, r"stage=4 is not supported; choose one of \[0, 1, 2, 3\]"),
+        ({"stage": True}, r"stage=True is not supported"),
+        ({"stage": "2"}, r"stage='2' is not supported"),
+        ({"world_size": 0}, r"world_size=0 is not supported; choose a positive int"),
+        ({"world_size": 2.0}, r"world_size=2.0 is not supported"),
+        ({"world_size": True}, r"world_size=True is not supported"),
+        (
+            {"precision": "16-true"},
+            r"precision='16-true' is not supported; choose one of \['32-true', '16-mixed', 'bf16-mixed', 'bf16-true'\]",
+        ),
+        (
+            {"optimizer": "lamb"},
+            r"optimizer='lamb' is not supported; choose one of "
+            r"\['adamw', 'adam', 'sgd', 'sgd_momentum', 'adagrad', 'rmsprop'\]",
+        ),
+        ({"optimizer": "AdamW"}, r"optimizer='AdamW' is not supported"),
+        (
+            {"offload_optimizer": "gpu"},
+            r"offload_optimizer='gpu' is not supported; choose one of \[False, 'cpu', 'nvme'\]",
+        ),
+        ({"offload_optimizer": True}, r"offload_optimizer=True is not supported"),
+        ({"offload_params": "disk", "stage": 3}, r"offload_params='disk' is not supported"),
+        ({"offload_optimizer": "cpu", "stage": 0}, r"offload_optimizer='cpu' needs stage >= 1, got stage=0"),
+        ({"offload_params": "cpu", "stage": 2}, r"offload_params='cpu' needs stage=3, got stage=2"),
+    ],
+)
+def test_invalid_arguments_raise_value_error(model: nn.Module, kwargs: dict, match: str) -> None:
+    arguments = {"stage": 2, "world_size": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        estimate_memory(model, **arguments)
+
+
+def test_model_must_be_a_module() -> None:
+    with pytest.raises(ValueError, match=r"model must be a torch.nn.Module, got dict"):
+        estimate_memory({}, stage=2, world_size=4)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- layering
+
+PACKAGE_DIR = str(Path(lightning_zero.__file__).parent)
+LAYERING = f"""
+import sys, types
+package = types.ModuleType("lightning_zero")
+package.__path__ = [{PACKAGE_DIR!r}]
+sys.modules["lightning_zero"] = package
+import lightning_zero.core.engine
+assert "lightning_zero.estimate" not in sys.modules, "the core imports estimate"
+import lightning_zero.estimate
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning"))
+assert not loaded, f"estimate loads lightning: {{loaded}}"
+"""
+
+
+def test_estimate_never_imports_lightning_and_the_core_never_imports_estimate() -> None:
+    result = subprocess.run([sys.executable, "-c", LAYERING], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
