@@ -22,7 +22,6 @@ BACKENDS = ("nccl", "gloo")
 # Options that the contract names and the core does not implement yet; each maps to the issue that
 # builds it, so the error can say so instead of silently ignoring the option.
 _NOT_YET_BUILT = {
-    "stage=3": "#3",
     "offload_optimizer": "the offload issue",
     "offload_params": "the offload issue",
     "partition='parameter'": "the whole-tensor owners issue",
@@ -82,7 +81,6 @@ class ZeroConfig:
 
     def _check_built(self) -> None:
         requested = {
-            "stage=3": self.stage == 3,
             "offload_optimizer": bool(self.offload_optimizer),
             "offload_params": bool(self.offload_params),
             "partition='parameter'": self.partition == "parameter",

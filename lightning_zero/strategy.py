@@ -215,7 +215,36 @@ class ZeroStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._engine is not None:
             self._engine.sync_buffers()
+            # Stage 3: the step may use root-unit parameters without calling the root's forward; the end of
+            # backward frees them again.
+            self._engine.unshard_root()
         return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._root_gathered():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._root_gathered():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._root_gathered():
+            return super().predict_step(*args, **kwargs)
+
+    @contextmanager
+    def _root_gathered(self) -> Generator[None, None, None]:
+        if self._engine is None:
+            yield
+            return
+        self._engine.unshard_root()
+        try:
+            yield
+        finally:
+            self._engine.reshard_all()
 
     @contextmanager
     @override
@@ -275,6 +304,23 @@ class ZeroStrategy(ParallelStrategy):
         return True
 
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        if self._engine is None:
+            return self.lightning_module.state_dict()
+        with self._engine.gathered():  # stage 3: every unit in full, once (a no-op for stages 1 and 2)
+            return {key: value.detach().clone() for key, value in self.lightning_module.state_dict().items()}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        if self._engine is None:
+            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+            return
+        with self._engine.gathered(write_back=True):
+            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         state = self._require_engine().full_optimizer_state_dict(unwrap_optimizer(optimizer))
         return state if self.is_global_zero else {}
@@ -297,9 +343,11 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ lifecycle
     @override
     def teardown(self) -> None:
-        # The engine stays (without hooks) so memory_report() and save_checkpoint() work after fit.
+        # The engine stays (without hooks) so memory_report() and save_checkpoint() work after fit. Stage 3
+        # gives the module its full parameters back, so it can be used (tested, exported) as usual.
         if self._engine is not None:
             self._engine.remove_hooks()
+            self._engine.release_full_params()
         super().teardown()
 
     @classmethod
@@ -308,6 +356,7 @@ class ZeroStrategy(ParallelStrategy):
         presets = {
             "zero_1": ({"stage": 1}, "ZeRO stage 1: optimizer state sharded"),
             "zero_2": ({"stage": 2}, "ZeRO stage 2: optimizer state and gradients sharded"),
+            "zero_3": ({"stage": 3}, "ZeRO stage 3: optimizer state, gradients and parameters sharded"),
         }
         for name, (init_params, description) in presets.items():
             if name not in strategy_registry:

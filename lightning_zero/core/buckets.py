@@ -22,7 +22,7 @@ skips it, as DDP leaves a globally unused parameter's gradient untouched.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 
@@ -124,12 +124,20 @@ class GradReducer:
     """
 
     def __init__(
-        self, buckets: Sequence[GradBucket], comm: Communicator, overlap_comm: bool, reduce_every_backward: bool
+        self,
+        buckets: Sequence[GradBucket],
+        comm: Communicator,
+        overlap_comm: bool,
+        reduce_every_backward: bool,
+        on_bucket_ready: Callable[[int], None] | None = None,
+        on_backward_end: Callable[[], None] | None = None,
     ) -> None:
         self.buckets = list(buckets)
         self.comm = comm
         self.overlap_comm = overlap_comm
         self.reduce_every_backward = reduce_every_backward
+        self.on_bucket_ready = on_bucket_ready  # a bucket got all its gradients in this pass (stage 3 frees)
+        self.on_backward_end = on_backward_end  # after the reductions of a pass finished
         self._sync = True
         self._next_launch = 0
         self._callback_queued = False
@@ -157,13 +165,20 @@ class GradReducer:
             handle.remove()
         self._handles.clear()
 
-    def _on_grad(self, bucket_index: int, slot: int, param: nn.Parameter) -> None:
+    def ensure_end_callback(self) -> None:
+        """Make sure the end-of-backward flush runs after the backward pass in progress."""
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             self._callback_queued = True
+
+    def _on_grad(self, bucket_index: int, slot: int, param: nn.Parameter) -> None:
+        self.ensure_end_callback()
         assert param.grad is not None
-        self.buckets[bucket_index].add_grad(slot, param.grad)
+        bucket = self.buckets[bucket_index]
+        bucket.add_grad(slot, param.grad)
         param.grad = None
+        if bucket.ready and self.on_bucket_ready is not None:
+            self.on_bucket_ready(bucket_index)
         if self._reducing and self.overlap_comm:
             self._launch_ready()
 
@@ -183,11 +198,13 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.end_pass()
         self._next_launch = 0
+        if self.on_backward_end is not None:
+            self.on_backward_end()
 
     def _agree_on_used(self) -> list[list[bool]]:
         """Which parameters got a gradient on any rank since the last reduction, per bucket."""
         flags = [used for bucket in self.buckets for used in bucket.locally_used]
-        device = self.buckets[0].buffer.data.device
+        device = self.buckets[0].buffer.shard.device
         merged = torch.tensor(flags, dtype=torch.uint8, device=device)
         self.comm.all_reduce(merged, op="max")
         merged_flags = merged.bool().tolist()

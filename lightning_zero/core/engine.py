@@ -1,17 +1,21 @@
-"""ZeroEngine: shards a module's trainable parameters over the user's optimizers for stages 1 and 2.
+"""ZeroEngine: shards a module's parameters, gradients and optimizer state for ZeRO stages 1 to 3.
 
 The engine knows nothing about Lightning. Its life:
 
 1. ``ZeroEngine(module, optimizers, config, comm)``: the ranks agree on parameters and options, rank 0's
-   parameters and buffers are broadcast, the trainable parameters of each optimizer param group are
-   packed into flat buffers of at most ``bucket_cap_mb`` (see [Note: flat layout]), and each param
-   group's ``params`` are replaced by this rank's pieces (see [Note: parameter views and optimizer
-   pieces]). Existing optimizer state is sliced into the pieces.
+   parameters and buffers are broadcast, and the parameters are packed into flat buffers (see [Note:
+   flat layout]): for stages 1 and 2 the trainable parameters of each optimizer param group, in
+   buckets of at most ``bucket_cap_mb``; for stage 3 every parameter of each gather unit (see [Note:
+   stage-3 gather units]), which then keeps only its shard. Each param group's ``params`` are
+   replaced by this rank's pieces (see [Note: parameter views and optimizer pieces]); existing
+   optimizer state is sliced into them.
 2. Backward: gradient hooks fill the buckets and reduce-scatter them (see [Note: bucket order]).
    At the end of a reducing backward the ranks agree on which parameters got gradients and each piece
    receives its slice of the reduced shard as ``grad`` (see [Note: gradient liveness]).
+   Stage 3 gathers each unit around its forward and backward (see [Note: stage-3 life of a unit]).
 3. ``clip_grad_norm_`` / ``clip_grad_value_`` if asked, ``optimizer.step()`` by the caller, then
-   ``finish_step(optimizer)``: all-gather the updated parameters.
+   ``finish_step(optimizer)``: stages 1 and 2 all-gather the updated parameters; stage 3 gathers
+   them when they are next used.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from lightning_zero.core.memory import MemoryReport, tensor_nbytes
 from lightning_zero.core.optim_state import gather_param_states, is_scalar_state, shard_param_state
 from lightning_zero.core.stage1 import FullGradBucket
 from lightning_zero.core.stage2 import ShardGradBucket
+from lightning_zero.core.stage3 import GatherUnit, assign_params, select_units
 
-_BUCKET_TYPES: dict[int, type[GradBucket]] = {1: FullGradBucket, 2: ShardGradBucket}
+_BUCKET_TYPES: dict[int, type[GradBucket]] = {1: FullGradBucket, 2: ShardGradBucket, 3: ShardGradBucket}
 
 
 @dataclass
@@ -50,7 +55,7 @@ class _Binding:
 
 
 class ZeroEngine:
-    """ZeRO stages 1 and 2 for ``module`` trained by ``optimizers``. See the module docstring."""
+    """ZeRO stages 1-3 for ``module`` trained by ``optimizers``. See the module docstring."""
 
     def __init__(self, module: nn.Module, optimizers: list[Optimizer], config: ZeroConfig, comm: Communicator) -> None:
         if config.stage not in _BUCKET_TYPES:
@@ -65,8 +70,20 @@ class ZeroEngine:
         self._check_optimizers()
         self._agree_across_ranks()
         self.broadcast_module_states(module, comm)
-        self.buckets = self._build_buckets()
-        self.reducer = GradReducer(self.buckets, comm, config.overlap_comm, reduce_every_backward=config.stage >= 2)
+        self.units: list[GatherUnit] = []  # stage 3 only; the root unit last
+        self.buffers = self._build_units() if config.stage == 3 else self._build_buckets()
+        self.buckets = [_BUCKET_TYPES[config.stage](b, comm) for b in self.buffers if b.params[0].requires_grad]
+        self.reducer = GradReducer(
+            self.buckets,
+            comm,
+            config.overlap_comm,
+            reduce_every_backward=config.stage >= 2,
+            on_bucket_ready=self._on_bucket_ready if self.units else None,
+            on_backward_end=self.reshard_all if self.units else None,
+        )
+        for unit in self.units:
+            unit.on_backward_start = self.reducer.ensure_end_callback
+        self._unit_of_bucket = [self._unit_of(bucket.buffer) for bucket in self.buckets]
         for binding in self.bindings:
             self._bind_optimizer(binding)
         self.last_step_comm = CommStats()
@@ -108,50 +125,67 @@ class ZeroEngine:
             for tensor in [*module.parameters(), *module.buffers()]:
                 comm.broadcast(tensor.data, src=0)
 
-    def _build_buckets(self) -> list[GradBucket]:
-        """Flat buffers per (optimizer, param group, dtype, device), in reverse registration order."""
+    def _build_buckets(self) -> list[FlatParamBuffer]:
+        """Stages 1, 2: buffers per (optimizer, param group, dtype, device), in reverse registration order."""
         order = {p: i for i, p in enumerate(reversed(list(self.names)))}
-        cap_bytes = self.config.bucket_cap_bytes
-        planned: list[tuple[int, _Binding, list[nn.Parameter]]] = []
+        planned: list[list[nn.Parameter]] = []
         for binding in self.bindings:
             for params in binding.groups:
                 trainable = sorted((p for p in params if p.requires_grad), key=order.__getitem__)
-                for key in dict.fromkeys((p.dtype, p.device) for p in trainable):
-                    same = [p for p in trainable if (p.dtype, p.device) == key]
-                    cap = max(1, cap_bytes // same[0].element_size())
-                    for indices in plan_buckets([p.numel() for p in same], cap):
-                        members = [same[i] for i in indices]
-                        planned.append((order[members[0]], binding, members))
-        planned.sort(key=lambda entry: entry[0])
-        bucket_type = _BUCKET_TYPES[self.config.stage]
-        buckets = []
-        for _, binding, members in planned:
-            buffer = FlatParamBuffer(members, self.comm.rank, self.comm.world_size)
-            bucket = bucket_type(buffer, self.comm)
-            binding.buckets.append(bucket)
-            buckets.append(bucket)
-        return buckets
+                for same in _split_by_dtype(trainable):
+                    cap = max(1, self.config.bucket_cap_bytes // same[0].element_size())
+                    planned.extend(
+                        [same[i] for i in indices] for indices in plan_buckets([p.numel() for p in same], cap)
+                    )
+        planned.sort(key=lambda members: order[members[0]])
+        return [FlatParamBuffer(members, self.comm.rank, self.comm.world_size) for members in planned]
+
+    def _build_units(self) -> list[FlatParamBuffer]:
+        """Stage 3: per gather unit, buffers per (requires_grad, dtype, device), units in reverse order."""
+        unit_modules = select_units(self.module, self.config.wrap_policy)
+        assigned = assign_params(self.module, unit_modules)
+        buffers: list[FlatParamBuffer] = []
+        for unit_module in [*unit_modules, self.module]:
+            params = assigned[unit_module]
+            unit_buffers = [
+                FlatParamBuffer(same, self.comm.rank, self.comm.world_size, keep_full=False)
+                for flag in (True, False)
+                for same in _split_by_dtype([p for p in params if p.requires_grad is flag])
+            ]
+            self.units.append(GatherUnit(unit_module, unit_buffers, self.comm, is_root=unit_module is self.module))
+            buffers.extend(unit_buffers)
+        # Backward meets the last units first: reverse registration order approximates it (see [Note: bucket order]).
+        return list(reversed(buffers))
+
+    def _unit_of(self, buffer: FlatParamBuffer) -> GatherUnit | None:
+        return next((unit for unit in self.units if any(b is buffer for b in unit.buffers)), None)
 
     def _bind_optimizer(self, binding: _Binding) -> None:
         """Replace each param group's params by this rank's pieces, slicing any existing state."""
+        piece_of = {
+            param: (buffer, index)
+            for buffer in self.buffers
+            for index, param in enumerate(buffer.params)
+            if param.requires_grad
+        }
         optimizer = binding.optimizer
         old_state = optimizer.state
         optimizer.state = defaultdict(dict)
+        members = {p for params in binding.groups for p in params}
+        binding.buckets = [b for b in self.buckets if any(p in members for p in b.buffer.params)]
         for group, params in zip(optimizer.param_groups, binding.groups, strict=True):
-            members = set(params)
             pieces: list[nn.Parameter] = []
-            for bucket in binding.buckets:
-                buffer = bucket.buffer
-                if buffer.params[0] not in members:
-                    continue
-                for piece, piece_param in zip(buffer.pieces, buffer.piece_params, strict=True):
-                    param = buffer.params[piece.slot]
-                    if param in old_state:
-                        shape = tuple(param.shape)
-                        optimizer.state[piece_param] = shard_param_state(
-                            old_state[param], piece, shape, self.names[param]
-                        )
-                    pieces.append(piece_param)
+            for param in params:
+                if param not in piece_of:
+                    continue  # frozen: not sharded for the optimizer
+                buffer, index = piece_of[param]
+                piece, piece_param = buffer.pieces[index], buffer.piece_params[index]
+                if param in old_state:
+                    state = shard_param_state(
+                        old_state[param], piece, buffer.layout.slots[index].shape, self.names[param]
+                    )
+                    optimizer.state[piece_param] = state
+                pieces.append(piece_param)
             group["params"] = pieces
 
     # ------------------------------------------------------------------ training
@@ -164,8 +198,9 @@ class ZeroEngine:
     def finish_step(self, optimizer: Optimizer) -> None:
         """All-gather the parameters that ``optimizer`` just updated in this rank's shard."""
         binding = self._binding(optimizer)
-        works = [self.comm.all_gather(b.buffer.data, b.buffer.shard, async_op=True) for b in binding.buckets]
-        wait_all(works)
+        if self.config.stage < 3:
+            works = [self.comm.all_gather(b.buffer.data, b.buffer.shard, async_op=True) for b in binding.buckets]
+            wait_all(works)
         self.last_step_comm = self.comm.stats.reset()
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -201,6 +236,55 @@ class ZeroEngine:
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
+        for unit in self.units:
+            unit.remove_hooks()
+
+    # ------------------------------------------------------------------ stage 3
+    @contextmanager
+    def gathered(self, write_back: bool = False) -> Iterator[None]:
+        """Hold every parameter in full inside the block (stage 3; a no-op before).
+
+        With ``write_back`` changes made to the parameters inside (e.g. ``load_state_dict``) are kept.
+        """
+        for unit in self.units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                if write_back:
+                    unit.write_back()
+                unit.reshard()
+
+    def release_full_params(self) -> None:
+        """Stage 3: give every parameter its own full tensor again and stop sharding them (end of training).
+
+        The optimizer pieces keep their shards, so the optimizer state can still be saved.
+        """
+        for unit in self.units:
+            unit.unshard()
+            for buffer in unit.buffers:
+                for param in buffer.params:
+                    param.data = param.data.clone()
+                buffer.data = None
+            unit.remove_hooks()
+        self.units = []
+
+    def unshard_root(self) -> None:
+        """Gather the root unit: Lightning's step methods use it without calling the root's forward."""
+        if self.units:
+            self.units[-1].unshard()
+
+    def reshard_all(self) -> None:
+        for unit in self.units:
+            unit.reshard()
+
+    def _on_bucket_ready(self, bucket_index: int) -> None:
+        unit = self._unit_of_bucket[bucket_index]
+        if unit is None or unit.holds_frozen:
+            return
+        if all(bucket.ready for bucket, u in zip(self.buckets, self._unit_of_bucket, strict=True) if u is unit):
+            unit.reshard()
 
     # ------------------------------------------------------------------ state
     def full_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -239,14 +323,15 @@ class ZeroEngine:
             for piece, piece_param in zip(buffer.pieces, buffer.piece_params, strict=True):
                 param = buffer.params[piece.slot]
                 if param in saved_state:
-                    state = shard_param_state(saved_state[param], piece, tuple(param.shape), self.names[param])
+                    shape = buffer.layout.slots[piece.slot].shape
+                    state = shard_param_state(saved_state[param], piece, shape, self.names[param])
                     optimizer.state[piece_param] = {k: _to_device(v, piece_param.device) for k, v in state.items()}
 
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state this rank holds now."""
-        managed = {p for b in self.buckets for p in b.buffer.params}
+        managed = {p for b in self.buffers for p in b.params}
         unmanaged = [p for p in self.module.parameters() if p not in managed]
-        params = sum(b.buffer.nbytes for b in self.buckets) + sum(tensor_nbytes(p) for p in unmanaged)
+        params = sum(b.nbytes for b in self.buffers) + sum(tensor_nbytes(p) for p in unmanaged)
         grads = sum(b.nbytes for b in self.buckets) + sum(tensor_nbytes(p.grad) for p in unmanaged)
         states = [v for binding in self.bindings for s in binding.optimizer.state.values() for v in s.values()]
         return MemoryReport(params=params, gradients=grads, optimizer_states=sum(map(tensor_nbytes, states)))
@@ -260,6 +345,14 @@ class ZeroEngine:
 
     def _piece_grads(self, optimizer: Optimizer) -> list[Tensor]:
         return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _split_by_dtype(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``params`` grouped by (dtype, device), each group in the given order."""
+    groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    for param in params:
+        groups.setdefault((param.dtype, param.device), []).append(param)
+    return list(groups.values())
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

@@ -16,11 +16,20 @@ straight into the flat buffer, from where the updated shard is all-gathered. A p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import Enum, auto
 
 import torch
 from torch import Tensor, nn
 
+from lightning_zero.core.comm import Communicator, Work
 from lightning_zero.core.layout import FlatLayout, Piece
+
+
+class ShardedState(Enum):
+    """Which parameter storage a buffer holds; see ``FlatParamBuffer.nbytes`` for what each costs."""
+
+    SHARDED = auto()  # only the shard; parameters point at an empty placeholder (stage 3 at rest)
+    GATHERED = auto()  # the full flat buffer too; parameters are views into it
 
 
 class ShardPiece(nn.Parameter):
@@ -50,12 +59,12 @@ class FlatParamBuffer:
 
     layout: FlatLayout
     params: list[nn.Parameter]
-    data: Tensor  # 1D, layout.padded_numel elements; params are views into it
-    shard: Tensor  # 1D view of data: this rank's layout.shard_numel elements
+    data: Tensor | None  # 1D, layout.padded_numel elements while gathered; params are views into it
+    shard: Tensor  # 1D, this rank's layout.shard_numel elements (a view of data when it is kept)
     pieces: list[Piece]  # per param, its part inside this rank's shard (empty where it has none)
     piece_params: list[ShardPiece]  # per param, a 1D view of the shard for the optimizer
 
-    def __init__(self, params: Sequence[nn.Parameter], rank: int, world_size: int) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], rank: int, world_size: int, keep_full: bool = True) -> None:
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
         if len(dtypes) != 1 or len(devices) != 1:
@@ -70,12 +79,47 @@ class FlatParamBuffer:
                 param.data = view
         lo, hi = self.layout.shard_bounds(rank)
         self.shard = self.data[lo:hi]
+        self.keep_full = keep_full
+        self._placeholder = torch.empty(0, dtype=self.data.dtype, device=self.data.device)  # params while sharded
+        if not keep_full:
+            self.shard = self.shard.clone()
+            self.reshard()
         owned = {piece.slot: piece for piece in self.layout.pieces(rank)}
         self.pieces = [owned.get(slot, Piece(slot, 0, 0, 0)) for slot in range(len(self.params))]
         self.piece_params = [
             ShardPiece(self.shard_view(self.shard, piece), param)
             for piece, param in zip(self.pieces, self.params, strict=True)
         ]
+
+    @property
+    def state(self) -> ShardedState:
+        return ShardedState.GATHERED if self.data is not None else ShardedState.SHARDED
+
+    def start_unshard(self, comm: Communicator) -> Work | None:
+        """Allocate the full buffer and start gathering every rank's shard into it (stage 3)."""
+        if self.data is not None:
+            return None
+        self.data = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
+        return comm.all_gather(self.data, self.shard, async_op=True)
+
+    def finish_unshard(self) -> None:
+        """Point the parameters at the gathered buffer (after the gather completed)."""
+        assert self.data is not None
+        for param, view in zip(self.params, self.param_views(self.data), strict=True):
+            param.data = view
+
+    def write_back(self) -> None:
+        """Copy this rank's part of the gathered buffer into the shard (after the parameters were changed)."""
+        assert self.data is not None
+        lo, hi = self.layout.shard_bounds(self.rank)
+        if not self.keep_full:
+            self.shard.copy_(self.data[lo:hi])
+
+    def reshard(self) -> None:
+        """Free the full buffer; parameters point at an empty placeholder until the next gather."""
+        for param in self.params:
+            param.data = self._placeholder
+        self.data = None
 
     def param_views(self, flat: Tensor) -> list[Tensor]:
         """Views of a full-size flat tensor shaped like each parameter."""
@@ -88,4 +132,6 @@ class FlatParamBuffer:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        """Bytes of parameter storage held now: the full buffer, and the shard when it is separate."""
+        full = 0 if self.data is None else self.data.numel() * self.data.element_size()
+        return full + (0 if self.keep_full else self.shard.numel() * self.shard.element_size())

@@ -66,7 +66,7 @@ def gather_param_states(
         for piece, state in zip(buffer.pieces, piece_states, strict=True):
             if key in state:
                 FlatParamBuffer.shard_view(shard, piece).copy_(state[key])
-        flat = torch.empty_like(buffer.data)
+        flat = torch.empty(buffer.layout.padded_numel, dtype=shard.dtype, device=shard.device)
         comm.all_gather(flat, shard)
         for slot, view in enumerate(buffer.param_views(flat)):
             if slot in full:

@@ -31,13 +31,16 @@ class ShardGradBucket(GradBucket):
         self._output = None
 
     def _accumulate(self, slot: int, grad: Tensor) -> None:
+        self._slot_view(self._staging(), slot).add_(grad)
+
+    def _staging(self) -> Tensor:
         if self.staging is None:
-            self.staging = torch.zeros_like(self.buffer.data)
-        self._slot_view(self.staging, slot).add_(grad)
+            shard = self.shard_grad
+            self.staging = torch.zeros(self.buffer.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        return self.staging
 
     def _start_reduce(self) -> None:
-        if self.staging is None:
-            self.staging = torch.zeros_like(self.buffer.data)
+        self._staging()
         # Divide before summing, as DDP does, so the result matches it and fp16 sums stay in range.
         self.staging.div_(self.comm.world_size)
         self._output = torch.empty_like(self.shard_grad)

@@ -26,9 +26,7 @@ def _one_step(rank: int, world_size: int, stage: int) -> dict:
     optimizer.step()
     engine.finish_step(optimizer)
     pieces = [p for g in optimizer.param_groups for p in g["params"]]
-    elementwise = sum(
-        v.numel() * v.element_size() for p in pieces for v in optimizer.state[p].values() if v.dim() > 0
-    )
+    elementwise = sum(v.numel() * v.element_size() for p in pieces for v in optimizer.state[p].values() if v.dim() > 0)
     return {
         "psi": sum(p.numel() for p in model.parameters()),
         "padded": sum(b.buffer.layout.padded_numel for b in engine.buckets),

@@ -10,8 +10,8 @@ import torch
 from lightning_zero.config import ZeroConfig
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
-from tests.distributed.parity import CASES, make_optimizer, relative_difference, train_ddp, train_zero
 from tests.distributed.models import TinyLM
+from tests.distributed.parity import CASES, make_optimizer, relative_difference, train_ddp, train_zero
 from tests.helpers import run_on_ranks
 
 
@@ -46,7 +46,9 @@ def _gather_and_reload(rank: int, world_size: int, case_name: str) -> dict[str, 
         other_optimizer = make_optimizer(other_model, case)
         other = ZeroEngine(other_model, [other_optimizer], ZeroConfig(stage=3 - stage, bucket_cap_mb=0.0003), comm)
         other.load_full_optimizer_state_dict(other_optimizer, full)
-        results[f"stage{stage}/reloaded"] = _max_state_difference(full, other.full_optimizer_state_dict(other_optimizer))
+        results[f"stage{stage}/reloaded"] = _max_state_difference(
+            full, other.full_optimizer_state_dict(other_optimizer)
+        )
         results[f"stage{stage}/params"] = relative_difference(reference, model)
     return results
 

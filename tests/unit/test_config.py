@@ -24,6 +24,7 @@ def test_defaults_follow_the_contract() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
+        ({"stage": 0}, r"stage=0 is not supported"),
         ({"stage": 4}, r"stage=4 is not supported; choose one of \[1, 2, 3\]"),
         ({"stage": True}, r"stage=True is not supported"),
         ({"offload_optimizer": "gpu"}, r"offload_optimizer='gpu' is not supported"),
@@ -48,7 +49,6 @@ def test_invalid_options_raise_value_error(kwargs: dict, match: str) -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"stage": 3},
         {"offload_optimizer": "cpu"},
         {"stage": 3, "offload_params": "cpu"},
         {"partition": "parameter"},

@@ -1,0 +1,162 @@
+"""Stage 3: parameters sharded at rest, gathered per unit just before use and freed right after.
+
+[Note: stage-3 gather units]
+A unit is a module whose parameters are gathered together: the modules chosen by ``wrap_policy`` (a
+set of module classes or a ``callable(module) -> bool``) plus the root for everything else. With no
+policy, the outermost modules whose class occurs at least twice and that hold parameters become units
+(the repeated blocks of a network, e.g. transformer layers). A parameter belongs to the innermost unit
+that contains every module using it, so a weight tied across units (an embedding and an output head)
+lives once, in their common ancestor, and has one gradient. Units nest: gathering a unit does not
+gather the units inside it.
+
+[Note: stage-3 life of a unit]
+Forward: a pre-hook gathers the unit; a post-hook frees it again (except the root, whose backward
+follows at once, and except during backward, where activation checkpointing recomputes) and hooks the
+outputs so that the first gradient flowing into them gathers the unit again for its backward. The
+unit is freed as soon as all of its trainable parameters have received their gradient, or at the end
+of backward when it holds frozen parameters (their backward may come later). Gradients go through the
+same buckets as stage 2: one per unit and dtype, reduce-scattered into the shard.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
+
+from lightning_zero.core.comm import Communicator, wait_all
+from lightning_zero.core.flat_buffer import FlatParamBuffer, ShardedState
+
+WrapPolicy = set[type[nn.Module]] | Callable[[nn.Module], bool] | None
+
+
+def select_units(root: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
+    """The unit modules below ``root``, in registration order. See [Note: stage-3 gather units]."""
+    if policy is None:
+        return _repeated_blocks(root)
+    matches = _class_policy(policy) if isinstance(policy, set | frozenset | list | tuple) else policy
+    return [m for m in root.modules() if m is not root and matches(m)]
+
+
+def _repeated_blocks(root: nn.Module) -> list[nn.Module]:
+    """Outermost members of ``nn.ModuleList``/``nn.Sequential`` whose class repeats there and that hold parameters."""
+    chosen: list[nn.Module] = []
+    for container in root.modules():
+        if not isinstance(container, nn.ModuleList | nn.Sequential):
+            continue
+        members = [m for m in container.children() if any(True for _ in m.parameters())]
+        counts = Counter(type(m) for m in members)
+        for member in members:
+            if counts[type(member)] >= 2 and not any(_contains(parent, member) for parent in chosen):
+                chosen.append(member)
+    order = {module: index for index, module in enumerate(root.modules())}
+    return sorted(chosen, key=order.__getitem__)
+
+
+def _class_policy(classes: Iterable[type[nn.Module]]) -> Callable[[nn.Module], bool]:
+    classes = tuple(classes)
+    return lambda module: isinstance(module, classes)
+
+
+def _contains(parent: nn.Module, module: nn.Module) -> bool:
+    return any(m is module for m in parent.modules())
+
+
+def assign_params(root: nn.Module, units: list[nn.Module]) -> dict[nn.Module, list[nn.Parameter]]:
+    """Map each unit (and ``root``) to the parameters it gathers, in registration order."""
+    unit_of_module: dict[nn.Module, nn.Module] = {}
+
+    def visit(module: nn.Module, unit: nn.Module) -> None:
+        current = module if module in units else unit
+        unit_of_module[module] = current
+        for child in module.children():
+            visit(child, current)
+
+    visit(root, root)
+    ancestors = {unit: _unit_ancestors(unit, root, units) for unit in [root, *units]}
+    owners: dict[nn.Parameter, nn.Module] = {}
+    for module in root.modules():
+        for param in module.parameters(recurse=False):
+            unit = unit_of_module[module]
+            owners[param] = unit if param not in owners else _common_unit(owners[param], unit, ancestors)
+    assigned: dict[nn.Module, list[nn.Parameter]] = {unit: [] for unit in [root, *units]}
+    for param in dict.fromkeys(root.parameters()):
+        assigned[owners[param]].append(param)
+    return assigned
+
+
+def _unit_ancestors(unit: nn.Module, root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """``unit`` and the units containing it, innermost first, ending with ``root``."""
+    chain = [u for u in units if u is not unit and _contains(u, unit)]
+    chain.sort(key=lambda u: sum(1 for _ in u.modules()))
+    return [unit, *chain, root] if unit is not root else [root]
+
+
+def _common_unit(a: nn.Module, b: nn.Module, ancestors: dict[nn.Module, list[nn.Module]]) -> nn.Module:
+    return next(unit for unit in ancestors[a] if unit in ancestors[b])
+
+
+class GatherUnit:
+    """The flat buffers of one unit and the hooks that gather and free them. See [Note: stage-3 life...]."""
+
+    def __init__(self, module: nn.Module, buffers: list[FlatParamBuffer], comm: Communicator, is_root: bool) -> None:
+        self.module = module
+        self.buffers = buffers
+        self.comm = comm
+        self.is_root = is_root
+        self.holds_frozen = any(not p.requires_grad for b in buffers for p in b.params)
+        self.on_backward_start: Callable[[], None] | None = None  # set by the engine
+        self._handles: list[RemovableHandle] = [
+            module.register_forward_pre_hook(self._pre_forward),
+            module.register_forward_hook(self._post_forward),
+        ]
+
+    @property
+    def state(self) -> ShardedState:
+        return self.buffers[0].state if self.buffers else ShardedState.SHARDED
+
+    def unshard(self) -> None:
+        works = [buffer.start_unshard(self.comm) for buffer in self.buffers]
+        wait_all(works)
+        for buffer, work in zip(self.buffers, works, strict=True):
+            if work is not None:
+                buffer.finish_unshard()
+
+    def write_back(self) -> None:
+        for buffer in self.buffers:
+            if buffer.state is ShardedState.GATHERED:
+                buffer.write_back()
+
+    def reshard(self) -> None:
+        for buffer in self.buffers:
+            if buffer.state is ShardedState.GATHERED:
+                buffer.reshard()
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        self.unshard()
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        in_backward = torch._C._current_graph_task_id() != -1
+        if not in_backward and not (self.is_root and torch.is_grad_enabled()):
+            self.reshard()
+        return output
+
+    def _pre_backward(self, grad: Tensor) -> None:
+        if self.on_backward_start is not None:
+            self.on_backward_start()
+        self.unshard()
