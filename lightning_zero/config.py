@@ -102,9 +102,22 @@ class ZeroConfig:
         """The options that every rank must agree on, as plain values (for the rank-agreement check)."""
         values = asdict(self)
         values["timeout"] = self.timeout.total_seconds()
-        values["wrap_policy"] = repr(self.wrap_policy)
-        values["activation_checkpointing"] = repr(self.activation_checkpointing)
+        values["wrap_policy"] = _describe_policy(self.wrap_policy)
+        values["activation_checkpointing"] = _describe_policy(self.activation_checkpointing)
         return values
+
+
+def _describe_policy(policy: Any) -> Any:
+    """A rank-independent description: sets have no stable order across processes, so sort class names."""
+    if policy is None:
+        return None
+    if isinstance(policy, set | frozenset | list | tuple):
+        return sorted(_qualified_name(item) for item in policy)
+    return _qualified_name(policy)
+
+
+def _qualified_name(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[Any, ...], example: str) -> None:

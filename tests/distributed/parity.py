@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
-from tests.distributed.models import TinyLM, batch, loss_fn
+from tests.distributed.models import Block, TinyLM, batch, loss_fn
 
 STEPS = 5
 
@@ -46,6 +46,8 @@ CASES = {
     "adam": Case(optimizer="adam"),
     "adagrad": Case(optimizer="adagrad"),
     "no_zero_grad_between_steps": Case(optimizer="sgd", zero_grad_every=2, accumulate=2),
+    "nested_units": Case(model_kwargs={"nested": True}),
+    "unit_used_twice": Case(model_kwargs={"reuse": True}),
 }
 
 
@@ -110,8 +112,9 @@ def train_zero(model: nn.Module, case: Case, rank: int, stage: int, comm: Commun
     model.skip_b = case.unused_on_rank1 and rank == 1
     optimizer = make_optimizer(model, case)
     # A tiny bucket cap gives several buckets, so ordering and partial buckets are exercised; at stage 3
-    # every Linear is a gather unit (the tied head weight then lives in the root unit with the embedding).
-    policy = {nn.Linear} if stage == 3 else None
+    # every Linear and Block is a gather unit (a Block nests its Linear's unit; the tied head weight then
+    # lives in the root unit with the embedding).
+    policy = {nn.Linear, Block} if stage == 3 else None
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy), comm)
     for step in range(STEPS):
         if step % case.zero_grad_every == 0:

@@ -13,26 +13,34 @@ from tests.distributed.models import TinyLM, batch, loss_fn
 from tests.helpers import run_on_ranks
 
 FP32 = 4
+STAGES = (1, 2, 3)
 
 
-def _one_step(rank: int, world_size: int, stage: int) -> dict:
+def _one_step(rank: int, stage: int, comm: Communicator) -> dict:
     torch.manual_seed(0)
     model = TinyLM()
+    psi = sum(p.numel() for p in model.parameters())  # before sharding: stage 3 leaves placeholders at rest
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, bucket_cap_mb=0.001), Communicator())
+    # At stage 3 every Linear is a gather unit; the embedding is in the root unit.
+    config = ZeroConfig(stage=stage, bucket_cap_mb=0.001, wrap_policy={nn.Linear} if stage == 3 else None)
+    engine = ZeroEngine(model, [optimizer], config, comm)
+    at_start = engine.memory_report()
     tokens, targets = batch(seed=rank)
     loss_fn(model, tokens, targets).backward()
-    during_backward_end = engine.memory_report()
+    after_backward = engine.memory_report()
     optimizer.step()
     engine.finish_step(optimizer)
     pieces = [p for g in optimizer.param_groups for p in g["params"]]
     elementwise = sum(v.numel() * v.element_size() for p in pieces for v in optimizer.state[p].values() if v.dim() > 0)
+    root = engine.units[-1].buffers if engine.units else []
     return {
-        "psi": sum(p.numel() for p in model.parameters()),
-        "padded": sum(b.buffer.layout.padded_numel for b in engine.buckets),
-        "buckets": len(engine.buckets),
+        "psi": psi,
+        "padded": sum(b.layout.padded_numel for b in engine.buffers),
+        "root_padded": sum(b.layout.padded_numel for b in root),
+        "buffers": len(engine.buffers),
+        "at_start": at_start.as_dict(),
         "report": engine.memory_report().as_dict(),
-        "after_backward": during_backward_end.as_dict(),
+        "after_backward": after_backward.as_dict(),
         "elementwise_state": elementwise,
         "scalar_state": engine.memory_report().optimizer_states - elementwise,
         "pieces": len(pieces),
@@ -41,58 +49,79 @@ def _one_step(rank: int, world_size: int, stage: int) -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda s: f"stage{s}")
-def two_ranks(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
-    return request.param, run_on_ranks(_one_step, 2, request.param)
+def _all_stages(rank: int, world_size: int) -> dict[int, dict]:
+    comm = Communicator()
+    return {stage: _one_step(rank, stage, comm) for stage in STAGES}
 
 
-def test_model_states_match_the_zero_formulas(two_ranks: tuple[int, list[dict]]) -> None:
-    stage, ranks = two_ranks
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[int, dict]]:
+    return run_on_ranks(_all_stages, 2)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_model_states_match_the_zero_formulas(two_ranks: list[dict[int, dict]], stage: int) -> None:
+    ranks = [per_rank[stage] for per_rank in two_ranks]
     n = len(ranks)
     psi = ranks[0]["psi"]
-    padding = ranks[0]["padded"] - psi
-    assert 0 <= padding < n * ranks[0]["buckets"]  # below world_size elements per buffer
+    padded = ranks[0]["padded"]
+    assert 0 <= padded - psi < n * ranks[0]["buffers"]  # below world_size elements per buffer
     # Adam's element-wise state (exp_avg, exp_avg_sq) is exactly 8 bytes per parameter over all ranks.
     assert sum(r["elementwise_state"] for r in ranks) == 8 * psi
     for r in ranks:
         report = r["report"]
-        assert report["params"] == FP32 * (psi + padding)  # full parameters on every rank (stages 1, 2)
-        expected_grads = FP32 * (psi + padding) if stage == 1 else FP32 * (psi + padding) // n
-        assert report["gradients"] == expected_grads
+        # Full parameters on every rank at stages 1 and 2; at rest only the shard at stage 3.
+        assert report["params"] == FP32 * (padded if stage < 3 else padded // n)
+        assert report["gradients"] == FP32 * (padded if stage == 1 else padded // n)
         # 8Ψ/N, plus one 4-byte `step` scalar per piece.
-        assert r["elementwise_state"] <= 8 * (psi + padding) // n
+        assert r["elementwise_state"] <= 8 * padded // n
         assert r["scalar_state"] == FP32 * r["pieces"]
-        formula = 8 * psi + 8 * psi / n if stage == 1 else 4 * psi + 12 * psi / n  # fp32 Adam
+        formula = {1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]  # fp32 Adam
         assert abs(report["total"] - formula) / formula < 0.05 + FP32 * r["pieces"] / formula
 
 
-def test_stage2_keeps_only_the_gradient_shard_after_backward(two_ranks: tuple[int, list[dict]]) -> None:
-    stage, ranks = two_ranks
-    for r in ranks:
-        if stage == 2:
-            assert r["after_backward"]["gradients"] == FP32 * r["padded"] // len(ranks)
-        else:
-            assert r["after_backward"]["gradients"] == FP32 * r["padded"]
+@pytest.mark.parametrize("stage", STAGES)
+def test_gradients_after_backward(two_ranks: list[dict[int, dict]], stage: int) -> None:
+    for per_rank in two_ranks:
+        r = per_rank[stage]
+        assert r["after_backward"]["gradients"] == FP32 * (r["padded"] if stage == 1 else r["padded"] // 2)
 
 
-def test_a_step_moves_one_reduce_scatter_and_one_all_gather_of_the_model(two_ranks: tuple[int, list[dict]]) -> None:
-    _, ranks = two_ranks
-    for r in ranks:
-        # Units of [Note: counting communication]: full-buffer bytes; 2Ψ elements a step, as DDP.
+def test_stage3_holds_only_shards_before_and_after_a_step(two_ranks: list[dict[int, dict]]) -> None:
+    for per_rank in two_ranks:
+        r = per_rank[3]
+        # Every unit, the root included, is freed at the end of backward and never gathered at rest.
+        assert (
+            r["at_start"]["params"] == r["after_backward"]["params"] == r["report"]["params"] == FP32 * r["padded"] // 2
+        )
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_communication_per_step(two_ranks: list[dict[int, dict]], stage: int) -> None:
+    for per_rank in two_ranks:
+        r = per_rank[stage]
+        # Units of [Note: counting communication]: full-buffer bytes. One reduce-scatter of the model.
         assert r["comm"]["reduce_scatter"] == FP32 * r["padded"]
-        assert r["comm"]["all_gather"] == FP32 * r["padded"]
+        if stage < 3:
+            assert r["comm"]["all_gather"] == FP32 * r["padded"]  # 2Ψ in all, as DDP
+        else:
+            # Every unit is gathered for forward and again for backward, the root once (it stays gathered
+            # from its forward to the end of backward): close to the ZeRO paper's 3Ψ in all.
+            assert r["comm"]["all_gather"] == FP32 * (2 * r["padded"] - r["root_padded"])
         # Plus the agreement on which parameters got gradients: one uint8 all-reduce.
         assert r["comm"]["all_reduce"] == 2 * r["n_params"]
 
 
-def _bucket_count(rank: int, world_size: int, cap_mb: float) -> int:
-    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))  # 3 x 4160 params
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2, bucket_cap_mb=cap_mb), Communicator())
-    return len(engine.buckets)
+def _bucket_counts(rank: int, world_size: int) -> list[int]:
+    counts = []
+    for cap_mb in (40 / 1024, 1.0):
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))  # 3 x 4160 params
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2, bucket_cap_mb=cap_mb), Communicator())
+        counts.append(len(engine.buckets))
+    return counts
 
 
 def test_bucket_cap_sets_the_number_of_buckets() -> None:
     # 4160 * 4 bytes = 16.25 KiB per layer: a 40 KiB cap holds two layers, a 1 MiB cap all three.
-    assert run_on_ranks(_bucket_count, 2, 40 / 1024) == [2, 2]
-    assert run_on_ranks(_bucket_count, 2, 1.0) == [1, 1]
+    assert run_on_ranks(_bucket_counts, 2) == [[2, 1], [2, 1]]

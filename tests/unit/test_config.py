@@ -64,3 +64,11 @@ def test_contract_options_not_built_yet_say_so(kwargs: dict) -> None:
 def test_describe_is_comparable_across_ranks() -> None:
     assert ZeroConfig(stage=1).describe() == ZeroConfig(stage=1).describe()
     assert ZeroConfig(stage=1).describe() != ZeroConfig(stage=2).describe()
+
+
+def test_describe_names_policies_in_a_stable_order() -> None:
+    # Sets iterate in a per-process order; the rank-agreement check must not see that as a difference.
+    from torch import nn
+
+    described = ZeroConfig(wrap_policy={nn.Linear, nn.Embedding}).describe()["wrap_policy"]
+    assert described == ["torch.nn.modules.linear.Linear", "torch.nn.modules.sparse.Embedding"]
