@@ -195,10 +195,16 @@ class ZeroStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
             self.setup_optimizers(trainer)
-            optimizers = [unwrap_optimizer(optimizer) for optimizer in self.optimizers]
-            self._engine = ZeroEngine(self.model, optimizers, self.config, self._comm)
+        if self._engine is not None and self._engine.units:
+            # A stage-3 module left sharded by an earlier fit/validate on this strategy: make it whole first.
+            self._engine.release_full_params()
+        if fitting or self.config.stage == 3:
+            # Stage 3 shards (and, after configure_model, creates) the parameters for evaluation too.
+            optimizers = [unwrap_optimizer(optimizer) for optimizer in self.optimizers] if fitting else []
+            self._engine = ZeroEngine(self.model, optimizers, self.config, self._comm, device=self.root_device)
             self.precision_plugin.attach(self._engine)
         else:
             ZeroEngine.broadcast_module_states(self.model, self._comm)
@@ -209,7 +215,20 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
+        if any(t.is_meta for t in [*self.model.parameters(), *self.model.buffers()]):
+            return  # created in configure_model under stage 3: the engine creates each unit on the device
         self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3: modules created in ``configure_model`` go to the meta device; the engine then creates, initialises
+        (``reset_parameters()``) and shards them one gather unit at a time, so no rank ever holds the full model."""
+        if self.config.stage != 3:
+            yield
+            return
+        with torch.device("meta"):
+            yield
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -253,6 +272,21 @@ class ZeroStrategy(ParallelStrategy):
             yield
             return
         with self._engine.no_sync():
+            yield
+
+    @contextmanager
+    def gathered_params(self, write_back: bool = False) -> Generator[None, None, None]:
+        """Hold the module's full parameters inside the block (stage 3; nothing to do at stages 1 and 2).
+
+        A stage-3 module keeps only shards between steps and after ``fit``; use this to export or inspect it.
+        With ``write_back=True`` changes made inside (e.g. ``load_state_dict``) are kept. Every rank must enter it.
+
+        Example::
+
+            with trainer.strategy.gathered_params():
+                torch.save(model.state_dict(), "model.pt")
+        """
+        with self._require_engine().gathered(write_back=write_back):
             yield
 
     def memory_report(self) -> MemoryReport:
@@ -343,11 +377,10 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ lifecycle
     @override
     def teardown(self) -> None:
-        # The engine stays (without hooks) so memory_report() and save_checkpoint() work after fit. Stage 3
-        # gives the module its full parameters back, so it can be used (tested, exported) as usual.
+        # The engine stays (without hooks) so memory_report(), save_checkpoint() and gathered_params() work after
+        # fit. A stage-3 module stays sharded: gathering it here could exceed a rank's memory.
         if self._engine is not None:
             self._engine.remove_hooks()
-            self._engine.release_full_params()
         super().teardown()
 
     @classmethod

@@ -40,7 +40,7 @@ from lightning_zero.core.memory import MemoryReport, tensor_nbytes
 from lightning_zero.core.optim_state import gather_param_states, is_scalar_state, shard_param_state
 from lightning_zero.core.stage1 import FullGradBucket
 from lightning_zero.core.stage2 import ShardGradBucket
-from lightning_zero.core.stage3 import GatherUnit, assign_params, select_units
+from lightning_zero.core.stage3 import GatherUnit, assign_params, initialise, materialize_buffers, select_units
 
 _BUCKET_TYPES: dict[int, type[GradBucket]] = {1: FullGradBucket, 2: ShardGradBucket, 3: ShardGradBucket}
 
@@ -57,19 +57,32 @@ class _Binding:
 class ZeroEngine:
     """ZeRO stages 1-3 for ``module`` trained by ``optimizers``. See the module docstring."""
 
-    def __init__(self, module: nn.Module, optimizers: list[Optimizer], config: ZeroConfig, comm: Communicator) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizers: list[Optimizer],
+        config: ZeroConfig,
+        comm: Communicator,
+        device: torch.device | None = None,
+    ) -> None:
+        """See the module docstring; ``device`` is where sharded tensors live (default: the parameters' device).
+
+        At stage 3 the module may be on the meta device: each unit is then created on ``device`` and initialised
+        with its modules' ``reset_parameters()`` one at a time, so the full model never exists on one rank.
+        """
         if config.stage not in _BUCKET_TYPES:
             raise NotImplementedError(f"ZeroEngine builds stages {sorted(_BUCKET_TYPES)}, got stage={config.stage}")
         self.module = module
         self.config = config
         self.comm = comm
-        # Where small control tensors (the used-flags, norms) live: NCCL needs them on the module's device.
-        self.device = next(module.parameters(), torch.empty(0)).device
+        # Where sharded tensors and small control tensors (used-flags, norms) live; NCCL needs the GPU.
+        self.device = device or next(module.parameters(), torch.empty(0)).device
         self.names = {param: name for name, param in module.named_parameters()}
         self.bindings = [_Binding(opt, [list(g["params"]) for g in opt.param_groups]) for opt in optimizers]
         self._check_optimizers()
         self._agree_across_ranks()
-        self.broadcast_module_states(module, comm)
+        if config.stage < 3:
+            self.broadcast_module_states(module, comm)
         self.units: list[GatherUnit] = []  # stage 3 only; the root unit last
         self.buffers = self._build_units() if config.stage == 3 else self._build_buckets()
         self.buckets = [_BUCKET_TYPES[config.stage](b, comm) for b in self.buffers if b.params[0].requires_grad]
@@ -144,16 +157,25 @@ class ZeroEngine:
         """Stage 3: per gather unit, buffers per (requires_grad, dtype, device), units in reverse order."""
         unit_modules = select_units(self.module, self.config.wrap_policy)
         assigned = assign_params(self.module, unit_modules)
+        materialize_buffers(self.module, self.device)
         buffers: list[FlatParamBuffer] = []
         for unit_module in [*unit_modules, self.module]:
             params = assigned[unit_module]
+            on_meta = [p for p in params if p.is_meta]
             unit_buffers = [
-                FlatParamBuffer(same, self.comm.rank, self.comm.world_size, keep_full=False)
+                FlatParamBuffer(same, self.comm.rank, self.comm.world_size, keep_full=False, device=self.device)
                 for flag in (True, False)
                 for same in _split_by_dtype([p for p in params if p.requires_grad is flag])
             ]
+            initialise(self.module, on_meta)
+            for buffer in unit_buffers:  # rank 0's values everywhere, whatever each rank's RNG did
+                self.comm.broadcast(buffer.data, src=0)
+                buffer.commit_shard()
             self.units.append(GatherUnit(unit_module, unit_buffers, self.comm, is_root=unit_module is self.module))
             buffers.extend(unit_buffers)
+        with torch.no_grad():
+            for tensor in self.module.buffers():
+                self.comm.broadcast(tensor, src=0)
         # Backward meets the last units first: reverse registration order approximates it (see [Note: bucket order]).
         return list(reversed(buffers))
 
@@ -257,7 +279,7 @@ class ZeroEngine:
                 unit.reshard()
 
     def release_full_params(self) -> None:
-        """Stage 3: give every parameter its own full tensor again and stop sharding them (end of training).
+        """Stage 3: give every parameter its own full tensor again and stop sharding them.
 
         The optimizer pieces keep their shards, so the optimizer state can still be saved.
         """

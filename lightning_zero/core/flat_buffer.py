@@ -64,7 +64,19 @@ class FlatParamBuffer:
     pieces: list[Piece]  # per param, its part inside this rank's shard (empty where it has none)
     piece_params: list[ShardPiece]  # per param, a 1D view of the shard for the optimizer
 
-    def __init__(self, params: Sequence[nn.Parameter], rank: int, world_size: int, keep_full: bool = True) -> None:
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        rank: int,
+        world_size: int,
+        keep_full: bool = True,
+        device: torch.device | None = None,
+    ) -> None:
+        """Pack ``params`` (their values are copied, except from the meta device: initialise those in the views).
+
+        With ``keep_full=False`` (stage 3) the shard is a tensor of its own; call :meth:`commit_shard` once the
+        full buffer holds the final initial values to keep only the shard.
+        """
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
         if len(dtypes) != 1 or len(devices) != 1:
@@ -72,18 +84,21 @@ class FlatParamBuffer:
         self.params = list(params)
         self.rank = rank
         self.layout = FlatLayout.build([tuple(p.shape) for p in self.params], world_size)
-        self.data = torch.zeros(self.layout.padded_numel, dtype=dtypes.pop(), device=devices.pop())
+        dtype, device = dtypes.pop(), device or devices.pop()
+        self.data = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
         with torch.no_grad():
             for param, view in zip(self.params, self.param_views(self.data), strict=True):
+                if param.is_meta:
+                    # `.data =` cannot change a tensor's device type; swapping keeps the Parameter object, which
+                    # the module, tied modules and the optimizer already hold.
+                    torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
+                    continue
                 view.copy_(param.detach())
                 param.data = view
         lo, hi = self.layout.shard_bounds(rank)
-        self.shard = self.data[lo:hi]
         self.keep_full = keep_full
-        self._placeholder = torch.empty(0, dtype=self.data.dtype, device=self.data.device)  # params while sharded
-        if not keep_full:
-            self.shard = self.shard.clone()
-            self.reshard()
+        self.shard = self.data[lo:hi] if keep_full else torch.empty(hi - lo, dtype=dtype, device=device)
+        self._placeholder = torch.empty(0, dtype=dtype, device=device)  # what parameters point at while sharded
         owned = {piece.slot: piece for piece in self.layout.pieces(rank)}
         self.pieces = [owned.get(slot, Piece(slot, 0, 0, 0)) for slot in range(len(self.params))]
         self.piece_params = [
@@ -107,6 +122,11 @@ class FlatParamBuffer:
         assert self.data is not None
         for param, view in zip(self.params, self.param_views(self.data), strict=True):
             param.data = view
+
+    def commit_shard(self) -> None:
+        """Keep this rank's part of the full buffer as the shard and free the rest (stage 3 setup)."""
+        self.write_back()
+        self.reshard()
 
     def write_back(self) -> None:
         """Copy this rank's part of the gathered buffer into the shard (after the parameters were changed)."""

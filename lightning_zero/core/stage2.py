@@ -26,16 +26,22 @@ class ShardGradBucket(GradBucket):
 
     def __init__(self, buffer: FlatParamBuffer, comm: Communicator) -> None:
         super().__init__(buffer, comm)
-        self.shard_grad = torch.zeros_like(buffer.shard)
+        self._shard_grad: Tensor | None = None  # created by the first reduction: evaluation never holds it
         self.staging = None
         self._output = None
+
+    @property
+    def shard_grad(self) -> Tensor:  # type: ignore[override]
+        if self._shard_grad is None:
+            self._shard_grad = torch.zeros_like(self.buffer.shard)
+        return self._shard_grad
 
     def _accumulate(self, slot: int, grad: Tensor) -> None:
         self._slot_view(self._staging(), slot).add_(grad)
 
     def _staging(self) -> Tensor:
         if self.staging is None:
-            shard = self.shard_grad
+            shard = self.buffer.shard
             self.staging = torch.zeros(self.buffer.layout.padded_numel, dtype=shard.dtype, device=shard.device)
         return self.staging
 
@@ -43,7 +49,7 @@ class ShardGradBucket(GradBucket):
         self._staging()
         # Divide before summing, as DDP does, so the result matches it and fp16 sums stay in range.
         self.staging.div_(self.comm.world_size)
-        self._output = torch.empty_like(self.shard_grad)
+        self._output = torch.empty_like(self.buffer.shard)
         self._work = self.comm.reduce_scatter(self._output, self.staging, async_op=True)
 
     def _fold_reduction(self, globally_used: Sequence[bool]) -> None:
@@ -66,5 +72,5 @@ class ShardGradBucket(GradBucket):
 
     @property
     def nbytes(self) -> int:
-        staging = 0 if self.staging is None else self.staging.numel() * self.staging.element_size()
-        return self.shard_grad.numel() * self.shard_grad.element_size() + staging
+        held = [t for t in (self._shard_grad, self.staging) if t is not None]
+        return sum(t.numel() * t.element_size() for t in held)

@@ -102,6 +102,42 @@ def _common_unit(a: nn.Module, b: nn.Module, ancestors: dict[nn.Module, list[nn.
     return next(unit for unit in ancestors[a] if unit in ancestors[b])
 
 
+def materialize_buffers(root: nn.Module, device: torch.device) -> None:
+    """Give module buffers created on the meta device real storage, initialised by their ``reset_parameters()``."""
+    for module in root.modules():
+        meta = [name for name, buffer in module._buffers.items() if buffer is not None and buffer.is_meta]
+        if not meta:
+            continue
+        if not callable(getattr(module, "reset_parameters", None)):
+            raise RuntimeError(
+                f"{type(module).__name__} has buffers {meta} on the meta device (created in configure_model under "
+                "ZeroStrategy(stage=3)) but no reset_parameters() to initialise them. Define reset_parameters() or "
+                "create the buffers in __init__."
+            )
+        for name in meta:
+            module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
+
+
+def initialise(root: nn.Module, params: list[nn.Parameter]) -> None:
+    """Run ``reset_parameters()`` of the modules that own ``params`` (just given real storage) once each."""
+    if not params:
+        return
+    wanted = set(params)
+    for module in root.modules():
+        owned = [name for name, p in module.named_parameters(recurse=False) if p in wanted]
+        if not owned:
+            continue
+        reset = getattr(module, "reset_parameters", None)
+        if not callable(reset):
+            raise RuntimeError(
+                f"{type(module).__name__} parameters {owned} were created on the meta device (configure_model under "
+                "ZeroStrategy(stage=3)) but the module has no reset_parameters() to initialise them. Define "
+                "reset_parameters(), or build the model in __init__."
+            )
+        with torch.no_grad():
+            reset()
+
+
 class GatherUnit:
     """The flat buffers of one unit and the hooks that gather and free them. See [Note: stage-3 life...]."""
 

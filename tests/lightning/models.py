@@ -274,7 +274,14 @@ def fit_case(world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     trainer = make_trainer(world_size, make_strategy(case), **trainer_kwargs)
     loader = make_loader(case["model"], case.get("samples", 96))
     trainer.fit(model, loader, ckpt_path=case.get("ckpt_path"))
-    return {"state": state_of(model), "global_step": trainer.global_step, "record": getattr(model, "record", None)}
+    from lightning_zero import ZeroStrategy
+
+    if isinstance(trainer.strategy, ZeroStrategy):
+        with trainer.strategy.gathered_params():  # stage 3 keeps only shards after fit
+            state = state_of(model)
+    else:
+        state = state_of(model)
+    return {"state": state, "global_step": trainer.global_step, "record": getattr(model, "record", None)}
 
 
 def fit_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,130 @@
+"""Stage 3 with configure_model: the model is created unit by unit and never exists in full on one rank."""
+
+from __future__ import annotations
+
+import gc
+import resource
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero import ZeroStrategy
+from tests.helpers import run_on_ranks
+
+WIDTH = 1024
+DEPTH = 16  # 16 x (1024 x 1024 + 1024) fp32 = 67 MB: big enough for RSS to see, 16 gather units
+FULL_BYTES = DEPTH * (WIDTH * WIDTH + WIDTH) * 4
+
+
+class WideMLP(LightningModule):
+    """Builds its layers in configure_model (meta device under stage 3) or, with ``eager``, in __init__."""
+
+    def __init__(self, eager: bool = False) -> None:
+        super().__init__()
+        self.layers: nn.Sequential | None = self._build() if eager else None
+
+    @staticmethod
+    def _build() -> nn.Sequential:
+        return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
+
+    def configure_model(self) -> None:
+        if self.layers is None:
+            self.layers = self._build()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.layers is not None
+        return self.layers(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def _data() -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(16, WIDTH, generator=generator)
+    return DataLoader(TensorDataset(x, x * 0.5), batch_size=4)
+
+
+def _trainer(world_size: int, **kwargs: object) -> Trainer:
+    return Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ZeroStrategy(stage=3),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def _peak_rss_growth(rank: int, world_size: int, eager: bool) -> int:
+    """Peak RSS while building, sharding and evaluating the model, minus the RSS just before."""
+    _trainer(world_size).validate(WideMLP(eager=False), _data(), verbose=False)  # warm up: imports, allocator
+    gc.collect()
+    # The warm-up's own peak (about the lazy run's) is a floor of ru_maxrss, so growth is never understated.
+    before = _rss()
+    trainer = _trainer(world_size)
+    trainer.validate(WideMLP(eager=eager), _data(), verbose=False)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+
+
+def test_configure_model_never_holds_the_full_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    # glibc keeps freed buffers resident unless large allocations are mmapped: set the threshold so that
+    # RSS follows what is live. The child processes inherit the environment.
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    lazy = run_on_ranks(_peak_rss_growth, 2, False)
+    eager = run_on_ranks(_peak_rss_growth, 2, True)
+    for rank in range(2):
+        # Built in configure_model: the rank's parameter shard (FULL/2) plus about one unit in flight; evaluation
+        # creates no gradient shard.
+        assert lazy[rank] < 0.75 * FULL_BYTES, f"rank {rank}: peak grew {lazy[rank] / 1e6:.1f} MB"
+        # Built in __init__ the full model exists first: the measurement does see a full model.
+        assert eager[rank] > FULL_BYTES, f"rank {rank}: eager peak grew only {eager[rank] / 1e6:.1f} MB"
+
+
+def _fit(rank: int, world_size: int) -> dict:
+    torch.manual_seed(rank)  # different RNG per rank: rank 0's initial values must still win everywhere
+    model = WideMLP()
+    trainer = _trainer(world_size, max_steps=4)
+    trainer.fit(model, _data(), _data())
+    losses = trainer.callback_metrics
+    at_rest = [tuple(p.shape) for p in model.parameters()]
+    with trainer.strategy.gathered_params():
+        first = model.layers[0].weight.detach().clone()
+        shapes = [tuple(p.shape) for p in model.parameters()]
+    return {
+        "first": first,
+        "shapes": shapes,
+        "at_rest": at_rest,
+        "val_loss": float(losses["val_loss"]),
+        "step": trainer.global_step,
+    }
+
+
+def test_model_from_configure_model_trains_and_gathers_after_fit() -> None:
+    results = run_on_ranks(_fit, 2)
+    for result in results:
+        assert result["step"] == 4
+        assert result["shapes"] == [(WIDTH, WIDTH), (WIDTH,)] * DEPTH
+        assert result["at_rest"] == [(0,)] * (2 * DEPTH)  # sharded after fit: only placeholders
+        assert torch.isfinite(torch.tensor(result["val_loss"]))
+    assert torch.equal(results[0]["first"], results[1]["first"])
