@@ -38,6 +38,7 @@ from lightning_zero.core.flat_buffer import FlatParamBuffer
 from lightning_zero.core.layout import plan_buckets
 from lightning_zero.core.memory import MemoryReport, tensor_nbytes
 from lightning_zero.core.optim_state import gather_param_states, is_scalar_state, shard_param_state
+from lightning_zero.core.prefetch import Prefetcher
 from lightning_zero.core.stage1 import FullGradBucket
 from lightning_zero.core.stage2 import ShardGradBucket
 from lightning_zero.core.stage3 import GatherUnit, assign_params, initialise, materialize_buffers, select_units
@@ -94,8 +95,10 @@ class ZeroEngine:
             on_bucket_ready=self._on_bucket_ready if self.units else None,
             on_backward_end=self.reshard_all if self.units else None,
         )
+        self.prefetcher = Prefetcher() if self.units and config.overlap_comm else None  # [Note: stage-3 prefetch]
         for unit in self.units:
             unit.on_backward_start = self.reducer.ensure_end_callback
+            unit.prefetcher = self.prefetcher
         self._unit_of_bucket = [self._unit_of(bucket.buffer) for bucket in self.buckets]
         for binding in self.bindings:
             self._bind_optimizer(binding)
@@ -298,8 +301,11 @@ class ZeroEngine:
             self.units[-1].unshard()
 
     def reshard_all(self) -> None:
+        """Free every unit; a step (or an evaluation batch) is over."""
         for unit in self.units:
             unit.reshard()
+        if self.prefetcher is not None:
+            self.prefetcher.end_pass()
 
     def _on_bucket_ready(self, bucket_index: int) -> None:
         unit = self._unit_of_bucket[bucket_index]

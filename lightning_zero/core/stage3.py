@@ -30,8 +30,9 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from lightning_zero.core.comm import Communicator, wait_all
+from lightning_zero.core.comm import Communicator, Work, wait_all
 from lightning_zero.core.flat_buffer import FlatParamBuffer, ShardedState
+from lightning_zero.core.prefetch import Prefetcher
 
 WrapPolicy = set[type[nn.Module]] | Callable[[nn.Module], bool] | None
 
@@ -139,7 +140,7 @@ def initialise(root: nn.Module, params: list[nn.Parameter]) -> None:
 
 
 class GatherUnit:
-    """The flat buffers of one unit and the hooks that gather and free them. See [Note: stage-3 life...]."""
+    """The flat buffers of one unit and the hooks that gather and free them. See [Note: stage-3 life of a unit]."""
 
     def __init__(self, module: nn.Module, buffers: list[FlatParamBuffer], comm: Communicator, is_root: bool) -> None:
         self.module = module
@@ -148,6 +149,8 @@ class GatherUnit:
         self.is_root = is_root
         self.holds_frozen = any(not p.requires_grad for b in buffers for p in b.params)
         self.on_backward_start: Callable[[], None] | None = None  # set by the engine
+        self.prefetcher: Prefetcher | None = None  # set by the engine when overlap_comm is on
+        self._pending: list[Work | None] = []  # gathers started ahead of use (prefetch), one per buffer
         self._handles: list[RemovableHandle] = [
             module.register_forward_pre_hook(self._pre_forward),
             module.register_forward_hook(self._post_forward),
@@ -157,12 +160,22 @@ class GatherUnit:
     def state(self) -> ShardedState:
         return self.buffers[0].state if self.buffers else ShardedState.SHARDED
 
+    def start_unshard(self) -> None:
+        """Start gathering without waiting (prefetch); a no-op when gathered or already started."""
+        if self._pending or self.state is ShardedState.GATHERED:
+            return
+        self._pending = [buffer.start_unshard(self.comm) for buffer in self.buffers]
+
     def unshard(self) -> None:
-        works = [buffer.start_unshard(self.comm) for buffer in self.buffers]
-        wait_all(works)
-        for buffer, work in zip(self.buffers, works, strict=True):
+        """Make the parameters usable: finish a started gather, or gather now."""
+        if not self._pending and self.state is ShardedState.GATHERED:
+            return
+        self.start_unshard()
+        wait_all(self._pending)
+        for buffer, work in zip(self.buffers, self._pending, strict=True):
             if work is not None:
                 buffer.finish_unshard()
+        self._pending = []
 
     def write_back(self) -> None:
         for buffer in self.buffers:
@@ -170,6 +183,8 @@ class GatherUnit:
                 buffer.write_back()
 
     def reshard(self) -> None:
+        wait_all(self._pending)  # never free a buffer that a gather still writes into
+        self._pending = []
         for buffer in self.buffers:
             if buffer.state is ShardedState.GATHERED:
                 buffer.reshard()
@@ -181,6 +196,8 @@ class GatherUnit:
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         self.unshard()
+        if self.prefetcher is not None:
+            self.prefetcher.after_forward_gather(self)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if torch.is_grad_enabled():
@@ -196,3 +213,5 @@ class GatherUnit:
         if self.on_backward_start is not None:
             self.on_backward_start()
         self.unshard()
+        if self.prefetcher is not None:
+            self.prefetcher.after_backward_gather(self)
