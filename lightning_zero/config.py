@@ -26,7 +26,6 @@ _NOT_YET_BUILT = {
     "offload_params": "the offload issue",
     "partition='parameter'": "the whole-tensor owners issue",
     "shard_size": "the hybrid sharding issue",
-    "activation_checkpointing": "#3",
 }
 
 
@@ -85,7 +84,6 @@ class ZeroConfig:
             "offload_params": bool(self.offload_params),
             "partition='parameter'": self.partition == "parameter",
             "shard_size": self.shard_size is not None,
-            "activation_checkpointing": self.activation_checkpointing is not None,
         }
         for option, asked in requested.items():
             if asked:

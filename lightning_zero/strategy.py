@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.config import START_METHODS, Offload, ZeroConfig
+from lightning_zero.core.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.memory import MemoryReport
@@ -114,6 +115,7 @@ class ZeroStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._comm: Communicator | None = None
         self._engine: ZeroEngine | None = None
+        self._checkpointing_applied = False  # forward wrappers are added once per strategy
 
     # ------------------------------------------------------------------ topology
     @property
@@ -195,6 +197,9 @@ class ZeroStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if not self._checkpointing_applied:
+            apply_activation_checkpointing(self.model, self.config.activation_checkpointing)
+            self._checkpointing_applied = True
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)

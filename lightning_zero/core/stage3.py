@@ -41,8 +41,15 @@ def select_units(root: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
     """The unit modules below ``root``, in registration order. See [Note: stage-3 gather units]."""
     if policy is None:
         return _repeated_blocks(root)
-    matches = _class_policy(policy) if isinstance(policy, set | frozenset | list | tuple) else policy
+    matches = policy_matcher(policy)
     return [m for m in root.modules() if m is not root and matches(m)]
+
+
+def policy_matcher(policy: set[type[nn.Module]] | Callable[[nn.Module], bool]) -> Callable[[nn.Module], bool]:
+    """A predicate from a policy: a collection of module classes, or already a ``callable(module) -> bool``."""
+    if isinstance(policy, set | frozenset | list | tuple):
+        return _class_policy(policy)
+    return policy
 
 
 def _repeated_blocks(root: nn.Module) -> list[nn.Module]:

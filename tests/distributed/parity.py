@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.core.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
 from tests.distributed.models import Block, TinyLM, batch, loss_fn
@@ -30,6 +31,7 @@ class Case:
     clip_value: float | None = None
     unused_on_rank1: bool = False
     zero_grad_every: int = 1  # optimizer steps between zero_grad calls (torch accumulates in between)
+    checkpoint: bool = False  # activation checkpointing of every Linear and Block (ZeRO runs only)
 
 
 CASES = {
@@ -48,6 +50,7 @@ CASES = {
     "no_zero_grad_between_steps": Case(optimizer="sgd", zero_grad_every=2, accumulate=2),
     "nested_units": Case(model_kwargs={"nested": True}),
     "unit_used_twice": Case(model_kwargs={"reuse": True}),
+    "activation_checkpointing": Case(model_kwargs={"nested": True, "reuse": True}, checkpoint=True),
 }
 
 
@@ -115,6 +118,8 @@ def train_zero(model: nn.Module, case: Case, rank: int, stage: int, comm: Commun
     # every Linear and Block is a gather unit (a Block nests its Linear's unit; the tied head weight then
     # lives in the root unit with the embedding).
     policy = {nn.Linear, Block} if stage == 3 else None
+    if case.checkpoint:
+        apply_activation_checkpointing(model, {nn.Linear, Block})
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy), comm)
     for step in range(STEPS):
         if step % case.zero_grad_every == 0:

@@ -38,6 +38,7 @@ SETUPS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "param_groups_scheduler": ("two_layer", {"param_groups": True}, {}),
     "tied": ("tied", {}, {}),
     "frozen_and_unused_parameters": ("partly_used", {}, {"accumulate_grad_batches": 2}),
+    "activation_checkpointing": ("two_layer", {}, {"accumulate_grad_batches": 2}),
     "manual_two_optimizers": ("manual", {}, {}),
     "manual_two_optimizers_toggled": ("manual", {"toggle": True}, {}),
     "manual_two_optimizers_disjoint": ("manual", {"disjoint": True}, {}),
@@ -52,7 +53,10 @@ CASES = [
         "name": name,
         "strategy": strategy,
         # At stage 3 every Linear is its own gather unit, so gathering and freeing per unit is exercised.
-        "strategy_kwargs": {"wrap_policy": {nn.Linear}} if strategy == 3 else {},
+        "strategy_kwargs": {
+            **({"wrap_policy": {nn.Linear}} if strategy == 3 else {}),
+            **({"activation_checkpointing": {nn.Linear}} if name == "activation_checkpointing" else {}),
+        },
         "model": model,
         "model_kwargs": model_kwargs,
         "trainer": {"max_steps": STEPS, **trainer_kwargs},

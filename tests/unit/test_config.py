@@ -53,7 +53,6 @@ def test_invalid_options_raise_value_error(kwargs: dict, match: str) -> None:
         {"stage": 3, "offload_params": "cpu"},
         {"partition": "parameter"},
         {"shard_size": 2},
-        {"activation_checkpointing": {object}},
     ],
 )
 def test_contract_options_not_built_yet_say_so(kwargs: dict) -> None:
