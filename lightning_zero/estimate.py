@@ -23,12 +23,13 @@ activations, temporary communication buffers and the allocator's fragmentation.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from torch import nn
 
 from lightning_zero.config import OFFLOAD_TARGETS, Offload
+from lightning_zero.core.memory import MemoryReport
 
 STAGES = (0, 1, 2, 3)
 
@@ -61,25 +62,12 @@ OPTIMIZER_STATE_BYTES: dict[str, int] = {
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryEstimate:
+class MemoryEstimate(MemoryReport):
     """Estimated bytes of model states per rank; ``offloaded`` ones live on CPU/NVMe, the rest on the device.
 
-    The fields are those of :class:`~lightning_zero.core.memory.MemoryReport`, which measures the same
-    quantities from the tensors a rank actually holds.
+    The fields (and ``total``) are those of :class:`~lightning_zero.core.memory.MemoryReport`, which measures
+    the same quantities from the tensors a rank actually holds.
     """
-
-    params: int
-    gradients: int
-    optimizer_states: int
-    offloaded: int = 0
-
-    @property
-    def total(self) -> int:
-        """Device-resident bytes: parameters + gradients + optimizer states."""
-        return self.params + self.gradients + self.optimizer_states
-
-    def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "total": self.total}
 
 
 def estimate_memory(
