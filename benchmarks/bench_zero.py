@@ -1,0 +1,739 @@
+"""Benchmark: DDP vs lightning-zero stages 1 and 2 on the same GPT, in one run, interleaved.
+
+Run on demand (never from the tests), from the repository root with the package installed::
+
+    python benchmarks/bench_zero.py                        # ~25M-parameter GPT, 2 gloo ranks
+    python benchmarks/bench_zero.py --out benchmarks/out/zero.json
+    python benchmarks/bench_zero.py --params 5e6 --steps 5 --warmup 2 --rss-steps 2   # quick smoke run
+
+What it does
+------------
+1. **Timing run.** ``--world-size`` processes are spawned once (``torch.multiprocessing``, gloo, one
+   torch thread each). Every rank builds every system in ``--systems`` from the same seed, so all
+   start from identical weights, and draws one fixed stream of batches (seed + rank) that every
+   system trains on. The systems are *interleaved*: step ``i`` of every system runs in round ``i``,
+   and the order inside a round rotates, so machine noise hits all of them alike. Each timed step
+   starts after a barrier; a step's time is the slowest rank's. AdamW, fp32. The core
+   :class:`~lightning_zero.core.engine.ZeroEngine` is driven directly in a plain PyTorch loop (no
+   Trainer), so the numbers measure the sharding, not Lightning.
+2. **Shared machines.** After each round the ranks compare the machine's busy CPU time
+   (``/proc/stat``) with their own: a round in which other processes used more than
+   ``--max-foreign`` of the CPUs is *disturbed*. Rounds go on until ``--steps`` undisturbed ones were
+   measured (at most ``--max-rounds``), and the statistics use only those when there are enough
+   (else all rounds, flagged NOISY in the output).
+3. **RSS runs.** Peak RSS (``ru_maxrss``) is per process, so it cannot be split between systems that
+   share one. For each system the ranks are spawned again, build only that system and run
+   ``--rss-steps`` steps; this is done once with the environment as is and once with
+   ``MALLOC_MMAP_THRESHOLD_=65536``. A fixed glibc mmap threshold turns off glibc's dynamic threshold,
+   which otherwise (after the first free of a large block) serves blocks of up to 32 MiB from the
+   heap, where freed memory may stay resident: with it the peak follows live memory instead of the
+   allocator's history. Both variants are reported (``--rss-variants``).
+
+Systems: ``ddp`` (``DistributedDataParallel``, ``gradient_as_bucket_view=True``: gradients live in its
+buckets, 16Ψ bytes of model states), ``ddp_copy`` (DDP defaults: a separate bucket copy of the
+gradients, 4Ψ more that the tensor count does not see), ``zero1``, ``zero2``.
+
+Reported per system: median step time, its ratio to ``ddp``'s median and the median of the per-round
+ratios, tokens/s, per-phase times and minor page faults per step, per-rank model-state bytes counted
+from the tensors (ZeRO: ``engine.memory_report()``; DDP: param + grad + optimizer-state bytes), the
+ZeRO-paper formula for fp32 Adam (DDP 16Ψ, stage 1 4Ψ+4Ψ+8Ψ/N, stage 2 4Ψ+12Ψ/N; Ψ trainable
+parameters, N ranks) and measured/formula, bytes moved by collectives per step (ZeRO:
+``engine.last_step_comm.nbytes``; DDP: 2 x 4Ψ, the all-reduce of the fp32 gradients counted as in
+[Note: counting communication] of ``lightning_zero/core/comm.py``), RSS per rank (peak, and after
+the last step) and the largest relative parameter difference from ``ddp`` after the run.
+See docs/benchmarks.md for results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import queue as queue_module
+import resource
+import socket
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # for `examples.gpt` (also in the spawned ranks, which re-import this file)
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from examples.gpt import DEFAULT_DATA, GPT, GPTConfig, gpt_config_for_params  # noqa: E402
+from lightning_zero.config import ZeroConfig  # noqa: E402
+from lightning_zero.core.comm import Communicator  # noqa: E402
+from lightning_zero.core.engine import ZeroEngine  # noqa: E402
+
+SYSTEMS = ("ddp", "ddp_copy", "zero1", "zero2")
+RSS_VARIANTS = {"as-is": {}, "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+_TIMEOUT_S = 1800
+
+
+# ----------------------------------------------------------------------------- systems
+
+
+def make_model(cfg: GPTConfig, seed: int) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def make_adamw(model: nn.Module, lr: float) -> torch.optim.AdamW:
+    """AdamW as in examples/gpt.py: weight decay on matrices only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
+
+
+class System:
+    """One way of training the GPT; ``step`` runs one optimizer step and returns its phase times."""
+
+    name: str
+    model: nn.Module  # the GPT itself (not a wrapper)
+
+    def step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+        raise NotImplementedError
+
+    def memory(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def comm_bytes(self) -> int:
+        raise NotImplementedError
+
+
+def _loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+
+class DDPSystem(System):
+    def __init__(self, name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> None:
+        self.name = name
+        self.model = make_model(cfg, args.seed)
+        self.ddp = DistributedDataParallel(
+            self.model, process_group=group, gradient_as_bucket_view=(name == "ddp"), bucket_cap_mb=args.bucket_cap_mb
+        )
+        self.optimizer = make_adamw(self.model, args.lr)
+        self.numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad()
+        loss = _loss(self.ddp, x, y)
+        t1 = time.perf_counter()
+        loss.backward()  # the all-reduce overlaps backward and is waited for at its end
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        t3 = time.perf_counter()
+        return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
+
+    def memory(self) -> dict[str, int]:
+        params = list(self.model.parameters())
+        states = [v for s in self.optimizer.state.values() for v in s.values()]
+        return {
+            "params": tensor_bytes(params),
+            "gradients": tensor_bytes(p.grad for p in params),
+            "optimizer_states": tensor_bytes(states),
+        }
+
+    def comm_bytes(self) -> int:
+        # [Note: counting communication]: an all-reduce of a 4Ψ-byte fp32 buffer counts 2 x 4Ψ.
+        return 2 * 4 * self.numel
+
+
+class ZeroSystem(System):
+    def __init__(self, name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> None:
+        self.name = name
+        self.model = make_model(cfg, args.seed)
+        self.optimizer = make_adamw(self.model, args.lr)
+        config = ZeroConfig(stage=int(name[-1]), bucket_cap_mb=args.bucket_cap_mb)
+        self.engine = ZeroEngine(self.model, [self.optimizer], config, Communicator(group))
+        self.last_comm: dict[str, Any] = {}
+        self.has_prepare = hasattr(self.engine, "prepare_step")
+
+    def step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad()
+        loss = _loss(self.model, x, y)
+        t1 = time.perf_counter()
+        loss.backward()  # hooks fill the buckets; reduce-scatters overlap backward and are waited for at its end
+        t2 = time.perf_counter()
+        if self.has_prepare:  # older engines: agree on the used-mask and hand the shards over here
+            self.engine.prepare_step(self.optimizer)
+        t3 = time.perf_counter()
+        self.optimizer.step()
+        t4 = time.perf_counter()
+        self.engine.finish_step(self.optimizer)  # all-gather of the updated parameters
+        t5 = time.perf_counter()
+        stats = self.engine.last_step_comm
+        self.last_comm = {"nbytes": stats.nbytes, "calls": stats.calls, "by_op": dict(stats.by_op)}
+        phases = {"forward": t1 - t0, "backward": t2 - t1, "prepare_step": t3 - t2}
+        if not self.has_prepare:
+            del phases["prepare_step"]
+        return {**phases, "optimizer": t4 - t3, "finish_step": t5 - t4}
+
+    def memory(self) -> dict[str, int]:
+        report = self.engine.memory_report()
+        return {"params": report.params, "gradients": report.gradients, "optimizer_states": report.optimizer_states}
+
+    def comm_bytes(self) -> int:
+        return self.last_comm["nbytes"]
+
+
+def build_system(name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> System:
+    return (DDPSystem if name.startswith("ddp") else ZeroSystem)(name, cfg, args, group)
+
+
+def formula_bytes(name: str, numel: int, world_size: int) -> float:
+    """Model-state bytes per rank for fp32 AdamW in the ZeRO paper's accounting."""
+    psi, n = numel, world_size
+    if name.startswith("ddp"):
+        return 16 * psi
+    if name == "zero1":
+        return 4 * psi + 4 * psi + 8 * psi / n
+    return 4 * psi + 12 * psi / n
+
+
+# ----------------------------------------------------------------------------- data and config
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    return gpt_config_for_params(int(args.params), vocab_size=256, block_size=args.block_size)
+
+
+def batch_stream(args: argparse.Namespace, rank: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """Random windows of the corpus, ``(x, y)`` with ``y`` shifted by one; a fixed stream per rank (seed + rank)."""
+    data = torch.frombuffer(bytearray(Path(args.data).read_bytes()), dtype=torch.uint8).long()
+    generator = torch.Generator().manual_seed(args.seed + rank)
+    while True:
+        starts = torch.randint(0, data.numel() - args.block_size - 1, (args.batch_size,), generator=generator)
+        chunk = torch.stack([data[s : s + args.block_size + 1] for s in starts.tolist()])
+        yield chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+
+def _cpus() -> int:
+    return os.cpu_count() or 1
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all processes on this machine spent busy since boot (user+nice+system+irq+softirq+steal)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+# ----------------------------------------------------------------------------- rank bodies
+
+
+def timing_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Build every system, train them interleaved, return per-step times, bytes and final parameter gaps.
+
+    After ``--warmup`` rounds, rounds go on until ``--steps`` of them were clean (other processes used at
+    most ``--max-foreign`` of the CPUs) or ``--max-rounds`` were measured, so that a shared machine
+    still yields ``--steps`` undisturbed rounds where it can.
+    """
+    cfg = model_config(args)
+    names = list(args.systems)
+    batches = batch_stream(args, rank)
+    systems = {}
+    for name in names:  # one process group each, created in the same order on every rank
+        systems[name] = build_system(name, cfg, args, dist.new_group(backend="gloo"))
+    reference = systems[names[0]].model.state_dict()
+    for name in names[1:]:  # identical starting weights
+        for key, value in systems[name].model.state_dict().items():
+            assert torch.equal(value, reference[key]), f"{name} starts from other weights than {names[0]} ({key})"
+
+    times: dict[str, list[float]] = {name: [] for name in names}
+    phases: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    page_faults: dict[str, list[int]] = {name: [] for name in names}  # minor faults: pages the step touched fresh
+    load: list[float] = []  # per round: share of the CPUs used by other processes (rank 0's reading)
+    clean = 0
+    while len(load) < args.warmup or (clean < args.steps and len(load) < args.warmup + args.max_rounds):
+        index = len(load)
+        x, y = next(batches)
+        dist.barrier()
+        mark = (time.perf_counter(), machine_busy_s(), time.process_time())
+        for name in names[index % len(names) :] + names[: index % len(names)]:  # the order rotates every round
+            dist.barrier()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start = time.perf_counter()
+            phases[name].append(systems[name].step(x, y))
+            times[name].append(time.perf_counter() - start)
+            page_faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+        load.append(foreign_share_since(*mark))
+        clean += index >= args.warmup and load[-1] <= args.max_foreign
+
+    result: dict[str, Any] = {"times": times, "phases": phases, "page_faults": page_faults, "load": load, "systems": {}}
+    base = systems["ddp"].model if "ddp" in systems else None
+    for name, system in systems.items():
+        entry: dict[str, Any] = {
+            "memory": system.memory(),
+            "comm_nbytes": system.comm_bytes(),
+            "comm_detail": getattr(system, "last_comm", None),
+            "numel": sum(p.numel() for p in system.model.parameters() if p.requires_grad),
+        }
+        if base is not None:
+            entry.update(parameter_gap(system.model, base))
+        result["systems"][name] = entry
+    result["combined_peak_rss"] = peak_rss_bytes()
+    return result
+
+
+def foreign_share_since(wall: float, busy: float, own: float) -> float:
+    """Share of the CPUs that other processes used since the mark (collective: rank 0's verdict for all)."""
+    dist.barrier()
+    own_total = torch.tensor([time.process_time() - own], dtype=torch.float64)
+    dist.all_reduce(own_total)  # every rank's CPU time (all its threads)
+    foreign = max(0.0, machine_busy_s() - busy - own_total.item())
+    share = torch.tensor([foreign / ((time.perf_counter() - wall) * _cpus())], dtype=torch.float64)
+    dist.broadcast(share, src=0)
+    return share.item()
+
+
+def parameter_gap(model: nn.Module, base: nn.Module) -> dict[str, Any]:
+    """max over tensors of max|a - b| / max|b|, the largest absolute gap, and whether all are bit-equal."""
+    rel, absolute, equal = 0.0, 0.0, True
+    for (name, a), (other, b) in zip(model.named_parameters(), base.named_parameters(), strict=True):
+        assert name == other
+        gap = (a.detach() - b.detach()).abs().max().item()
+        absolute = max(absolute, gap)
+        rel = max(rel, gap / max(b.detach().abs().max().item(), 1e-30))
+        equal = equal and torch.equal(a, b)
+    return {"max_rel_param_diff": rel, "max_abs_param_diff": absolute, "bitwise_equal": equal}
+
+
+def rss_rank(rank: int, world_size: int, args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """Only ``name`` in this process: baseline RSS, then peak RSS over ``--rss-steps`` steps."""
+    cfg = model_config(args)
+    stream = batch_stream(args, rank)
+    batches = [next(stream) for _ in range(args.rss_steps)]
+    baseline = current_rss_bytes()
+    system = build_system(name, cfg, args, None)
+    times = []
+    for x, y in batches:
+        dist.barrier()
+        start = time.perf_counter()
+        system.step(x, y)
+        times.append(time.perf_counter() - start)
+    return {
+        "baseline_rss": baseline,
+        "peak_rss": peak_rss_bytes(),
+        "end_rss": current_rss_bytes(),
+        "times": times,
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+    }
+
+
+# ----------------------------------------------------------------------------- process launch
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and its joined children."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, threads, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=_TIMEOUT_S))
+        result = fn(rank, world_size, *args)
+        payload = io.BytesIO()
+        torch.save(result, payload)
+        queue.put((rank, True, payload.getvalue()))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_on_ranks(fn: Any, world_size: int, threads: int, *args: Any, env: dict[str, str] | None = None) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on freshly spawned ranks, with ``env`` added to their environment."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, threads, args, queue))
+        for rank in range(world_size)
+    ]
+    with _environment(env or {}):  # spawned interpreters inherit it; glibc reads MALLOC_* at their start
+        for proc in procs:
+            proc.start()
+    try:
+        results, errors = _collect(procs, queue)
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    if errors:
+        rank = min(errors)
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
+    return [results[rank] for rank in range(world_size)]
+
+
+def _collect(procs: list[Any], queue: Any) -> tuple[dict[int, Any], dict[int, str]]:
+    """Each rank's answer, or an error as soon as a rank died without one."""
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + _TIMEOUT_S
+    while len(results) + len(errors) < len(procs):
+        try:
+            rank, ok, payload = queue.get(timeout=5)
+        except queue_module.Empty:
+            dead = [p.pid for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                errors[-1] = f"ranks died without an answer (pids {dead}) or timed out; see their stderr above"
+                break
+            continue
+        if ok:
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            errors[rank] = payload
+    return results, errors
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summarize(args: argparse.Namespace, timing: list[dict[str, Any]], rss: dict[str, dict[str, list]]) -> dict:
+    names = list(args.systems)
+    world = args.world_size
+    tokens = args.batch_size * args.block_size * world  # tokens per optimizer step, all ranks
+    load = timing[0]["load"]
+    measured = range(args.warmup, len(load))
+    clean = [i for i in measured if load[i] <= args.max_foreign]
+    # Statistics over the rounds in which other processes left the machine alone, if there are enough.
+    rounds = clean if len(clean) >= max(3, args.steps // 2) else list(measured)
+    summary: dict[str, Any] = {
+        "_rounds": {
+            "foreign_share_per_round": load,
+            "measured_rounds": len(measured),
+            "clean_rounds": clean,
+            "used_rounds": rounds,
+            "used_clean_only": rounds == clean,
+        }
+    }
+    for name in names:
+        # A step lasts as long as its slowest rank; warmup rounds are dropped.
+        per_step = [max(r["times"][name][i] for r in timing) for i in rounds]
+        phase_names = timing[0]["phases"][name][0].keys()
+        phases = {
+            p: statistics.median(max(r["phases"][name][i][p] for r in timing) for i in rounds) for p in phase_names
+        }
+        info = timing[0]["systems"][name]
+        memory = [r["systems"][name]["memory"] for r in timing]
+        totals = [sum(m.values()) for m in memory]
+        formula = formula_bytes(name, info["numel"], world)
+        summary[name] = {
+            "step_ms_median": 1e3 * statistics.median(per_step),
+            "step_ms_min": 1e3 * min(per_step),
+            "step_ms_max": 1e3 * max(per_step),
+            "step_ms_all": [1e3 * t for t in per_step],
+            "phase_ms_median": {p: 1e3 * v for p, v in phases.items()},
+            "page_faults_per_step_median": statistics.median(
+                max(r["page_faults"][name][i] for r in timing) for i in rounds
+            ),
+            "tokens_per_s": tokens / statistics.median(per_step),
+            "model_state_bytes_per_rank": memory,
+            "model_state_total_max_rank": max(totals),
+            "formula_bytes": formula,
+            "measured_over_formula": max(totals) / formula,
+            "comm_bytes_per_step": [r["systems"][name]["comm_nbytes"] for r in timing],
+            "comm_detail": info["comm_detail"],
+            "max_rel_param_diff": max(r["systems"][name].get("max_rel_param_diff", float("nan")) for r in timing),
+            "max_abs_param_diff": max(r["systems"][name].get("max_abs_param_diff", float("nan")) for r in timing),
+            "bitwise_equal": all(r["systems"][name].get("bitwise_equal", False) for r in timing),
+            "numel": info["numel"],
+            "rss": {variant: per_system[name] for variant, per_system in rss.items() if name in per_system},
+        }
+    if "ddp" in summary:
+        for name in names:
+            summary[name]["ratio_to_ddp"] = summary[name]["step_ms_median"] / summary["ddp"]["step_ms_median"]
+            # Robust to slow drifts of machine speed: the ratio within each round, then the median.
+            paired = [a / b for a, b in zip(summary[name]["step_ms_all"], summary["ddp"]["step_ms_all"], strict=True)]
+            summary[name]["paired_ratio_median"] = statistics.median(paired)
+    return summary
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f}"
+
+
+def markdown(args: argparse.Namespace, summary: dict[str, Any], combined_rss: list[int], load: dict) -> str:
+    names = [name for name in summary if not name.startswith("_")]
+    rounds = summary["_rounds"]
+    numel = summary[names[0]]["numel"]
+    lines = [
+        f"GPT {numel / 1e6:.2f}M trainable parameters (Ψ = {numel:,}), N = {args.world_size} gloo ranks, "
+        f"batch {args.batch_size} x block {args.block_size} per rank, AdamW fp32, "
+        f"{args.warmup} warmup + {rounds['measured_rounds']} measured rounds of one step per system, interleaved; "
+        "statistics over "
+        + (
+            f"the {len(rounds['used_rounds'])} rounds in which other processes used <= {100 * args.max_foreign:.0f}% "
+            "of the CPUs."
+            if rounds["used_clean_only"]
+            else f"all of them (only {len(rounds['clean_rounds'])} were free of other load: NOISY)."
+        ),
+        "",
+        "| system | median step ms (min-max) | vs ddp | paired | tokens/s | params MiB | grads MiB | optim MiB "
+        "| total MiB | formula MiB | measured/formula | comm MiB/step | max rel param diff vs ddp |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        s = summary[name]
+        mem = max(s["model_state_bytes_per_rank"], key=lambda m: sum(m.values()))
+        diff = (
+            "(reference)"
+            if name == "ddp"
+            else f"{s['max_rel_param_diff']:.1e}" + (" (bit-equal)" if s["bitwise_equal"] else "")
+        )
+        lines.append(
+            f"| {name} | {s['step_ms_median']:.0f} ({s['step_ms_min']:.0f}-{s['step_ms_max']:.0f}) "
+            f"| {s.get('ratio_to_ddp', float('nan')):.3f}x | {s.get('paired_ratio_median', float('nan')):.3f}x "
+            f"| {s['tokens_per_s']:.0f} "
+            f"| {mib(mem['params'])} | {mib(mem['gradients'])} | {mib(mem['optimizer_states'])} "
+            f"| {mib(s['model_state_total_max_rank'])} | {mib(s['formula_bytes'])} | {s['measured_over_formula']:.4f} "
+            f"| {mib(max(s['comm_bytes_per_step']))} | {diff} |"
+        )
+    lines += [
+        "",
+        "vs ddp = median step / ddp's median step; paired = median over rounds of step / ddp's step in the same "
+        f"round. Other processes used {load['foreign_cpu_s']:.0f} CPU-s during the {load['wall_s']:.0f} s timing "
+        f"run ({100 * load['foreign_share']:.0f}% of the machine).",
+    ]
+    lines += ["", "Median phase times per step (ms, slowest rank):", ""]
+    phase_names = list(dict.fromkeys(p for name in names for p in summary[name]["phase_ms_median"]))
+    lines += [
+        "| system | " + " | ".join(phase_names) + " | minor page faults per step (MiB touched fresh) |",
+        "|---|" + "---|" * (len(phase_names) + 1),
+    ]
+    for name in names:
+        values = summary[name]["phase_ms_median"]
+        faults = summary[name]["page_faults_per_step_median"]
+        cells = [f"{values[p]:.1f}" if p in values else "-" for p in phase_names]
+        cells.append(f"{faults:.0f} ({faults * os.sysconf('SC_PAGE_SIZE') / 2**20:.0f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += rss_table(args, summary, names)
+    lines += [
+        "",
+        f"Peak RSS of the timing run (all systems live in each process): "
+        f"{' / '.join(mib(b) for b in combined_rss)} MiB per rank.",
+        "Comm: ZeRO = engine.last_step_comm.nbytes; DDP = 2 x 4Ψ (its fp32 gradient all-reduce, counted as in "
+        "[Note: counting communication] of lightning_zero/core/comm.py).",
+    ]
+    return "\n".join(lines)
+
+
+def rss_table(args: argparse.Namespace, summary: dict[str, Any], names: list[str]) -> list[str]:
+    """Markdown lines: peak RSS per system and malloc variant, next to the model-state bytes."""
+    rows = [(name, variant, summary[name]["rss"][variant]) for name in names for variant in summary[name]["rss"]]
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"RSS per rank, MiB (rank 0 / rank 1): one system per process, {args.rss_steps} steps; baseline = RSS "
+        "after imports and data, before the model is built; model states = params + grads + optimizer states "
+        "counted from the tensors:",
+        "",
+        "| system | malloc | peak (ru_maxrss) | peak - baseline | after the last step - baseline | model states |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, variant, ranks in rows:
+        states = max(sum(m.values()) for m in summary[name]["model_state_bytes_per_rank"])
+        lines.append(
+            f"| {name} | {variant} | {' / '.join(mib(r['peak_rss']) for r in ranks)} "
+            f"| {' / '.join(mib(r['peak_rss'] - r['baseline_rss']) for r in ranks)} "
+            f"| {' / '.join(mib(r['end_rss'] - r['baseline_rss']) for r in ranks)} | {mib(states)} |"
+        )
+    lines += [
+        "",
+        "malloc as-is: the environment unchanged (glibc's dynamic mmap threshold); mmap64k: "
+        "`MALLOC_MMAP_THRESHOLD_=65536` in the ranks' environment, so freed large blocks go back to the system.",
+    ]
+    return lines
+
+
+def code_version() -> dict[str, Any]:
+    """Which lightning_zero was measured: its path, a hash of its sources, and git's view where there is one."""
+    import hashlib
+    import subprocess
+
+    import lightning_zero
+
+    package = Path(lightning_zero.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    version: dict[str, Any] = {"lightning_zero_path": str(package), "lightning_zero_sha256": digest.hexdigest()[:16]}
+    try:
+        git = ["git", "-C", str(package.parent)]
+        version["git_commit"] = subprocess.run(
+            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--", str(package)], capture_output=True, text=True, check=True
+        ).stdout.split("\n")
+        version["lightning_zero_uncommitted"] = [line[3:] for line in dirty if line.strip()]
+    except (OSError, subprocess.CalledProcessError):
+        version["git_commit"] = None
+    return version
+
+
+def environment() -> dict[str, Any]:
+    import lightning
+
+    return {
+        **code_version(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "platform": platform.platform(),
+        "malloc_mmap_threshold_env": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=float, default=25e6, help="target parameter count of the GPT")
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per system (clean rounds wanted)")
+    parser.add_argument(
+        "--max-rounds", type=int, help="measure at most this many rounds while waiting for clean ones (2 x --steps)"
+    )
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per system before those")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--systems", default="ddp,zero1,zero2", help=f"comma-separated, from {','.join(SYSTEMS)}")
+    parser.add_argument("--rss-variants", default="as-is,mmap64k", help="comma-separated from as-is,mmap64k; '' = none")
+    parser.add_argument("--rss-steps", type=int, default=3, help="steps per system in each RSS run")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP and ZeRO bucket size")
+    parser.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.05,
+        help="rounds in which other processes used more than this share of the CPUs are left out of the statistics",
+    )
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--data", default=str(DEFAULT_DATA))
+    parser.add_argument("--out", help="also write the results as JSON to this file")
+    args = parser.parse_args(argv)
+    args.max_rounds = args.max_rounds or 2 * args.steps
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    args.rss_variants = [v.strip() for v in args.rss_variants.split(",") if v.strip()]
+    unknown = [s for s in args.systems if s not in SYSTEMS] + [v for v in args.rss_variants if v not in RSS_VARIANTS]
+    if unknown:
+        parser.error(f"unknown systems or RSS variants {unknown}; systems: {SYSTEMS}, variants: {list(RSS_VARIANTS)}")
+    if len(set(args.systems)) != len(args.systems) or not args.systems:
+        parser.error("--systems needs distinct names")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    os.environ.setdefault("MKL_NUM_THREADS", str(args.threads))
+    cfg = model_config(args)
+    print(f"# {cfg} | {environment()}", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    busy_before, own_before = machine_busy_s(), _own_cpu_s()
+    timing = run_on_ranks(timing_rank, args.world_size, args.threads, args)
+    wall = time.perf_counter() - started
+    # CPU time that other processes took from this machine during the timing run (children's time
+    # counts once they have been joined, as they are by now).
+    foreign = (machine_busy_s() - busy_before) - (_own_cpu_s() - own_before)
+    load = {"wall_s": wall, "foreign_cpu_s": foreign, "foreign_share": foreign / (wall * (os.cpu_count() or 1))}
+    print(f"# timing run: {wall:.0f} s, foreign CPU {foreign:.1f} s", file=sys.stderr, flush=True)
+    rss: dict[str, dict[str, list]] = {}
+    for variant in args.rss_variants:
+        rss[variant] = {}
+        for name in args.systems:
+            t = time.perf_counter()
+            rss[variant][name] = run_on_ranks(
+                rss_rank, args.world_size, args.threads, args, name, env=RSS_VARIANTS[variant]
+            )
+            print(f"# rss run {variant}/{name}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    summary = summarize(args, timing, rss)
+    combined = [r["combined_peak_rss"] for r in timing]
+    print(markdown(args, summary, combined, load))
+    print(f"# total: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "config": {k: v for k, v in vars(args).items() if k != "out"},
+            "model": vars(cfg),
+            "environment": environment(),
+            "summary": summary,
+            "combined_peak_rss_per_rank": combined,
+            "timing_run_load": load,
+            "wall_s": time.perf_counter() - started,
+        }
+        out.write_text(json.dumps(record, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
