@@ -73,11 +73,16 @@ class GradBucket(ABC):
         self._launched = True
         self._start_reduce()
 
+    def wait(self) -> None:
+        """Wait for the reduction in flight, if any; the full-size staging memory can go right away."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            self._release_staging()
+
     def finish(self, globally_used: Sequence[bool]) -> None:
-        """Wait for the reduction, fold it in and hand it to the pieces. See [Note: gradient liveness]."""
-        assert self._work is not None
-        self._work.wait()
-        self._work = None
+        """Fold the reduction in and hand it to the pieces. See [Note: gradient liveness]."""
+        self.wait()
         self._fold_reduction(globally_used)
         self.locally_used = [False] * len(self.buffer.params)
         self._launched = False
@@ -104,12 +109,19 @@ class GradBucket(ABC):
     def _start_reduce(self) -> None: ...
 
     @abstractmethod
+    def _release_staging(self) -> None:
+        """Free what only the reduction in flight needed (stage 2's staging buffer)."""
+
+    @abstractmethod
     def _fold_reduction(self, globally_used: Sequence[bool]) -> None: ...
 
     @property
     @abstractmethod
     def nbytes(self) -> int:
         """Bytes of gradient storage this bucket holds now."""
+
+
+_IN_FLIGHT = 2  # bucket reductions allowed in flight while backward runs
 
 
 class GradReducer:
@@ -186,6 +198,9 @@ class GradReducer:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
             self.buckets[self._next_launch].launch()
             self._next_launch += 1
+            # Keep at most _IN_FLIGHT reductions (and their staging buffers) alive during backward.
+            if self._next_launch > _IN_FLIGHT:
+                self.buckets[self._next_launch - 1 - _IN_FLIGHT].wait()
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False

@@ -58,6 +58,9 @@ class FullGradBucket(GradBucket):
         self.full_grad.div_(self.comm.world_size)
         self._work = self.comm.reduce_scatter(self.shard_grad, self.full_grad, async_op=True)
 
+    def _release_staging(self) -> None:
+        """Nothing to free: the full gradient buffer persists by design."""
+
     def _fold_reduction(self, globally_used: Sequence[bool]) -> None:
         # The reduction already wrote the own segment in place; live gradients were folded in beforehand.
         self._reduced = True

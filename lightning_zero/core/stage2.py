@@ -46,21 +46,26 @@ class ShardGradBucket(GradBucket):
         return self.staging
 
     def _start_reduce(self) -> None:
-        self._staging()
+        staging = self._staging()
         # Divide before summing, as DDP does, so the result matches it and fp16 sums stay in range.
-        self.staging.div_(self.comm.world_size)
-        self._output = torch.empty_like(self.buffer.shard)
-        self._work = self.comm.reduce_scatter(self._output, self.staging, async_op=True)
+        staging.div_(self.comm.world_size)
+        # When zero_grad emptied every piece (the usual case) the result may land in the shard directly.
+        nothing_live = all(param.grad is None for param in self.buffer.piece_params)
+        self._output = self.shard_grad if nothing_live else torch.empty_like(self.buffer.shard)
+        self._work = self.comm.reduce_scatter(self._output, staging, async_op=True)
+
+    def _release_staging(self) -> None:
+        self.staging = None
 
     def _fold_reduction(self, globally_used: Sequence[bool]) -> None:
         # See [Note: gradient liveness]: overwrite what zero_grad emptied, add to what is live.
         assert self._output is not None
         pieces = list(self._pieces())
         live = [param.grad is not None for _, param, _ in pieces]
-        if all(globally_used) and all(live):
+        if self._output is self.shard_grad:
+            pass  # nothing was live, so the reduction wrote the shard in place
+        elif all(globally_used) and all(live):
             self.shard_grad.add_(self._output)
-        elif all(globally_used) and not any(live):
-            self.shard_grad.copy_(self._output)
         else:
             for (piece, _, view), was_live in zip(pieces, live, strict=True):
                 if globally_used[piece.slot]:
