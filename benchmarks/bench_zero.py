@@ -80,7 +80,7 @@ from lightning_zero.config import ZeroConfig  # noqa: E402
 from lightning_zero.core.comm import Communicator  # noqa: E402
 from lightning_zero.core.engine import ZeroEngine  # noqa: E402
 
-SYSTEMS = ("ddp", "ddp_copy", "zero1", "zero2")
+SYSTEMS = ("ddp", "ddp_copy", "zero1", "zero2", "zero3", "fsdp2")
 RSS_VARIANTS = {"as-is": {}, "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 _TIMEOUT_S = 1800
 
@@ -120,6 +120,10 @@ class System:
 
     def comm_bytes(self) -> int:
         raise NotImplementedError
+
+    def full_state(self) -> dict[str, Tensor]:
+        """Every parameter in full (a collective for the sharded systems)."""
+        return {name: p.detach().clone() for name, p in self.model.named_parameters()}
 
 
 def _loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
@@ -200,9 +204,59 @@ class ZeroSystem(System):
     def comm_bytes(self) -> int:
         return self.last_comm["nbytes"]
 
+    def full_state(self) -> dict[str, Tensor]:
+        with self.engine.gathered():  # stage 3 holds shards only; a no-op for stages 1 and 2
+            return super().full_state()
+
+
+class FSDP2System(System):
+    """PyTorch FSDP2: ``fully_shard`` per transformer block and on the root, the same units as zero3's default."""
+
+    def __init__(self, name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.name = name
+        self.model = make_model(cfg, args.seed)
+        mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.optimizer = make_adamw(self.model, args.lr)
+        self.numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad()
+        loss = _loss(self.model, x, y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        t3 = time.perf_counter()
+        return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
+
+    def memory(self) -> dict[str, int]:
+        params = list(self.model.parameters())
+        states = [v for s in self.optimizer.state.values() for v in s.values()]
+        return {
+            "params": tensor_bytes(p.to_local() for p in params),
+            "gradients": tensor_bytes(p.grad.to_local() for p in params if p.grad is not None),
+            "optimizer_states": tensor_bytes(v.to_local() if hasattr(v, "to_local") else v for v in states),
+        }
+
+    def comm_bytes(self) -> int:
+        # Not measured: forward all-gather, backward all-gather and reduce-scatter, 4Ψ bytes each (ZeRO paper).
+        return 3 * 4 * self.numel
+
+    def full_state(self) -> dict[str, Tensor]:
+        return {name: p.full_tensor().detach().clone() for name, p in self.model.named_parameters()}
+
 
 def build_system(name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> System:
-    return (DDPSystem if name.startswith("ddp") else ZeroSystem)(name, cfg, args, group)
+    if name.startswith("ddp"):
+        return DDPSystem(name, cfg, args, group)
+    return FSDP2System(name, cfg, args, group) if name == "fsdp2" else ZeroSystem(name, cfg, args, group)
 
 
 def formula_bytes(name: str, numel: int, world_size: int) -> float:
@@ -212,7 +266,9 @@ def formula_bytes(name: str, numel: int, world_size: int) -> float:
         return 16 * psi
     if name == "zero1":
         return 4 * psi + 4 * psi + 8 * psi / n
-    return 4 * psi + 12 * psi / n
+    if name == "zero2":
+        return 4 * psi + 12 * psi / n
+    return 16 * psi / n  # zero3, fsdp2
 
 
 # ----------------------------------------------------------------------------- data and config
@@ -275,9 +331,9 @@ def timing_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[st
     systems = {}
     for name in names:  # one process group each, created in the same order on every rank
         systems[name] = build_system(name, cfg, args, dist.new_group(backend="gloo"))
-    reference = systems[names[0]].model.state_dict()
+    reference = systems[names[0]].full_state()
     for name in names[1:]:  # identical starting weights
-        for key, value in systems[name].model.state_dict().items():
+        for key, value in systems[name].full_state().items():
             assert torch.equal(value, reference[key]), f"{name} starts from other weights than {names[0]} ({key})"
 
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -301,16 +357,17 @@ def timing_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[st
         clean += index >= args.warmup and load[-1] <= args.max_foreign
 
     result: dict[str, Any] = {"times": times, "phases": phases, "page_faults": page_faults, "load": load, "systems": {}}
-    base = systems["ddp"].model if "ddp" in systems else None
+    base = systems["ddp"].full_state() if "ddp" in systems else None
     for name, system in systems.items():
+        full = system.full_state()
         entry: dict[str, Any] = {
             "memory": system.memory(),
             "comm_nbytes": system.comm_bytes(),
             "comm_detail": getattr(system, "last_comm", None),
-            "numel": sum(p.numel() for p in system.model.parameters() if p.requires_grad),
+            "numel": sum(t.numel() for t in full.values()),
         }
         if base is not None:
-            entry.update(parameter_gap(system.model, base))
+            entry.update(parameter_gap(full, base))
         result["systems"][name] = entry
     result["combined_peak_rss"] = peak_rss_bytes()
     return result
@@ -327,11 +384,12 @@ def foreign_share_since(wall: float, busy: float, own: float) -> float:
     return share.item()
 
 
-def parameter_gap(model: nn.Module, base: nn.Module) -> dict[str, Any]:
+def parameter_gap(state: dict[str, Tensor], base: dict[str, Tensor]) -> dict[str, Any]:
     """max over tensors of max|a - b| / max|b|, the largest absolute gap, and whether all are bit-equal."""
     rel, absolute, equal = 0.0, 0.0, True
-    for (name, a), (other, b) in zip(model.named_parameters(), base.named_parameters(), strict=True):
-        assert name == other
+    assert list(state) == list(base)
+    for name, a in state.items():
+        b = base[name]
         gap = (a.detach() - b.detach()).abs().max().item()
         absolute = max(absolute, gap)
         rel = max(rel, gap / max(b.detach().abs().max().item(), 1e-30))
