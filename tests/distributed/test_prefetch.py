@@ -58,3 +58,47 @@ def test_prefetch_gathers_one_unit_ahead_without_extra_traffic() -> None:
         assert on["after"] == off["after"] == 0  # all freed after each step
         for a, b in zip(on["weights"], off["weights"], strict=True):
             assert torch.equal(a, b)
+
+
+class Reordering(nn.Module):
+    """Runs its layers in another order every other step, so the recorded order mispredicts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = [0, 1, 2, 3] if self.step % 2 == 0 else [3, 1, 0, 2]
+        for index in order:
+            x = torch.tanh(self.layers[index](x))
+        return x
+
+
+def _reordering(rank: int, overlap: bool) -> dict:
+    torch.manual_seed(0)
+    model = Reordering()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, overlap_comm=overlap), Communicator())
+    left_gathered = []
+    for step in range(4):
+        model.step = step
+        optimizer.zero_grad()
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step + rank))).square().sum().backward()
+        optimizer.step()
+        engine.finish_step(optimizer)
+        left_gathered.append(_in_flight(engine))
+    with engine.gathered():
+        weights = [p.detach().clone() for p in model.parameters()]
+    return {"weights": weights, "left": left_gathered}
+
+
+def _reordering_both(rank: int, world_size: int) -> dict[bool, dict]:
+    return {overlap: _reordering(rank, overlap) for overlap in (True, False)}
+
+
+def test_a_changing_order_costs_nothing_but_a_wrong_guess() -> None:
+    for per_rank in run_on_ranks(_reordering_both, 2):
+        assert per_rank[True]["left"] == per_rank[False]["left"] == [0, 0, 0, 0]
+        for a, b in zip(per_rank[True]["weights"], per_rank[False]["weights"], strict=True):
+            assert torch.equal(a, b)
