@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero.checkpoint import consolidate
 from lightning_zero.core.memory import MemoryReport
 from lightning_zero.estimate import MemoryEstimate, estimate_memory
 from lightning_zero.monitor import ZeroMonitor
@@ -16,6 +17,7 @@ __all__ = [
     "ZeroPrecision",
     "ZeroStrategy",
     "__version__",
+    "consolidate",
     "estimate_memory",
 ]
 

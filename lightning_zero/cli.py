@@ -5,6 +5,9 @@ per-rank memory of its model states at every ZeRO stage::
 
     lightning-zero estimate --model examples.gpt:GPTLightningModule \\
         --init-args '{"n_layer": 8, "n_embd": 512, "n_head": 8}' --world-size 8
+
+``lightning-zero consolidate DIR OUT`` writes a sharded checkpoint directory as one ordinary Lightning
+checkpoint file (see docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"lightning-zero {__version__}")
     commands = parser.add_subparsers(dest="command", title="commands")
     _add_estimate_parser(commands)
+    _add_consolidate_parser(commands)
     return parser
 
 
@@ -43,6 +47,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
     elif args.command == "estimate":
         _estimate(args)
+    elif args.command == "consolidate":
+        return _consolidate(args)
+    return 0
+
+
+# ----------------------------------------------------------------------------- consolidate
+
+
+def _add_consolidate_parser(commands: argparse._SubParsersAction) -> None:
+    consolidate = commands.add_parser(
+        "consolidate",
+        help="turn a sharded checkpoint directory into one ordinary Lightning checkpoint file",
+        description=(
+            "Read a sharded checkpoint (state_dict_type='sharded') and write one ordinary Lightning checkpoint "
+            "(module state_dict keys, ordinary optimizer states) that Model.load_from_checkpoint reads without "
+            "lightning_zero. Tensors are streamed one at a time, so memory stays near one tensor."
+        ),
+    )
+    consolidate.add_argument("checkpoint_dir", type=Path, help="the sharded checkpoint directory")
+    consolidate.add_argument("out_file", type=Path, help="the checkpoint file to write, e.g. model.ckpt")
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from lightning_zero.checkpoint import CheckpointError, consolidate
+
+    try:
+        consolidate(args.checkpoint_dir, args.out_file)
+    except CheckpointError as error:
+        print(f"lightning-zero consolidate: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out_file} ({args.out_file.stat().st_size:,} bytes)")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -26,12 +27,19 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint import (
+    ShardedCheckpoint,
+    load_sharded_optimizers,
+    load_sharded_params,
+    remove_sharded,
+    save_sharded,
+)
 from lightning_zero.config import START_METHODS, Offload, ZeroConfig
 from lightning_zero.core.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.comm import CommStats, Communicator
@@ -40,6 +48,9 @@ from lightning_zero.core.memory import MemoryReport
 from lightning_zero.precision import ZeroPrecision, unwrap_optimizer
 
 log = logging.getLogger(__name__)
+
+# Marks a checkpoint dict that load_checkpoint built from a sharded directory; holds the opened checkpoint.
+_SHARDED_KEY = "lightning_zero_sharded"
 
 
 class ZeroStrategy(ParallelStrategy):
@@ -342,17 +353,29 @@ class ZeroStrategy(ParallelStrategy):
         # Optimizer state is loaded into the pieces, which exist only once the engine is built.
         return True
 
+    @property
+    def _sharded_checkpoints(self) -> bool:
+        return self.config.state_dict_type == "sharded" and self._engine is not None
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
         if self._engine is None:
             return self.lightning_module.state_dict()
+        if self._sharded_checkpoints:
+            return {}  # save_checkpoint writes each rank's shards instead
         with self._engine.gathered():  # stage 3: every unit in full, once (a no-op for stages 1 and 2)
             return {key: value.detach().clone() for key, value in self.lightning_module.state_dict().items()}
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
+        if _SHARDED_KEY in checkpoint and self._engine is not None:
+            load_sharded_params(self._engine, checkpoint[_SHARDED_KEY])
+            return
+        if _SHARDED_KEY in checkpoint:  # e.g. validate() at stages 1 and 2: the plain module, in full
+            self.lightning_module.load_state_dict(checkpoint[_SHARDED_KEY].full_state_dict(), strict=strict)
+            return
         if self._engine is None:
             self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
             return
@@ -361,23 +384,50 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._sharded_checkpoints:
+            return {}  # save_checkpoint writes each rank's part of it
         state = self._require_engine().full_optimizer_state_dict(unwrap_optimizer(optimizer))
         return state if self.is_global_zero else {}
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         engine = self._require_engine()
+        if _SHARDED_KEY in checkpoint:
+            load_sharded_optimizers(engine, checkpoint[_SHARDED_KEY])
+            return
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             engine.load_full_optimizer_state_dict(unwrap_optimizer(optimizer), state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self.config.state_dict_type == "sharded":
-            rank_zero_warn(
-                "ZeroStrategy(state_dict_type='sharded') checkpoints are not built yet (tracked in #5); "
-                "writing one full Lightning checkpoint instead, which resumes at any world size.",
-            )
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if not self._sharded_checkpoints:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        from lightning_zero import __version__
+
+        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        assert self._engine is not None
+        with_optimizers = "optimizer_states" in checkpoint  # absent for save_checkpoint(weights_only=True)
+        save_sharded(self._engine, filepath, extra, __version__, self.precision_plugin.precision, with_optimizers)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        if not os.path.isdir(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        sharded = ShardedCheckpoint(checkpoint_path)
+        checkpoint = sharded.lightning_state()
+        checkpoint["state_dict"] = {}
+        if sharded.metadata["optimizers"]:  # else saved with weights_only=True: Lightning then says so
+            checkpoint["optimizer_states"] = [{} for _ in sharded.metadata["optimizers"]]
+        checkpoint[_SHARDED_KEY] = sharded
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero and os.path.isdir(filepath):
+            remove_sharded(filepath)
+        elif not os.path.isdir(filepath):
+            super().remove_checkpoint(filepath)
 
     # ------------------------------------------------------------------ lifecycle
     @override

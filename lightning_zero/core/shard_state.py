@@ -74,10 +74,11 @@ def optimizer_groups(engine: ZeroEngine) -> list[list[list[str]]]:
     return [[[engine.names[p] for p in group] for group in b.groups] for b in engine.bindings]
 
 
-def collect_rank_state(engine: ZeroEngine) -> dict[str, Any]:
-    """This rank's owned ranges of every parameter and of its optimizer state, as new tensors (no views)."""
+def collect_rank_state(engine: ZeroEngine, optimizers: bool = True) -> dict[str, Any]:
+    """This rank's owned ranges of every parameter and (with ``optimizers``) of its optimizer state, as new
+    tensors (no views)."""
     params: dict[str, Tensor] = {}
-    optimizers = []
+    optimizer_states = []
     for buffer in engine.buffers:
         for piece in buffer.pieces:
             if piece.numel:
@@ -85,7 +86,7 @@ def collect_rank_state(engine: ZeroEngine) -> dict[str, Any]:
                 params[engine.names[buffer.params[piece.slot]]] = view.detach().cpu().clone()
     if engine.comm.rank == 0:
         params.update({name: t.detach().cpu().reshape(-1).clone() for name, t in _extras(engine).items()})
-    for binding in engine.bindings:
+    for binding in engine.bindings if optimizers else []:
         state: dict[str, dict[str, Any]] = {}
         for bucket in binding.buckets:
             buffer = bucket.buffer
@@ -96,8 +97,8 @@ def collect_rank_state(engine: ZeroEngine) -> dict[str, Any]:
                         k: (v.detach().cpu().clone() if isinstance(v, Tensor) else v) for k, v in saved.items()
                     }
         groups = [{k: v for k, v in g.items() if k != "params"} for g in binding.optimizer.param_groups]
-        optimizers.append({"state": state, "param_groups": groups})
-    return {"params": params, "optimizers": optimizers}
+        optimizer_states.append({"state": state, "param_groups": groups})
+    return {"params": params, "optimizers": optimizer_states}
 
 
 def load_params(engine: ZeroEngine, specs: dict[str, dict[str, Any]], read: Reader) -> None:

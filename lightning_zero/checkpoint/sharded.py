@@ -1,0 +1,213 @@
+"""Save and load a directory of per-rank shards; the save is committed by an atomic rename.
+
+Layout of ``path/`` (see docs/checkpoints.md)::
+
+    metadata.json   rank 0: format version, world size, stage, per-tensor shape/dtype/ranges, optimizers
+    lightning.pt    rank 0: the caller's extra state (Lightning's loops, callbacks, schedulers, ...)
+    rank_{r}.pt     rank r: the elements it owns of every tensor and of the optimizer state
+
+Every rank writes into ``path.tmp-<id>``; after a barrier rank 0 moves an old ``path`` aside, renames the new
+directory to ``path`` and deletes the old one. A crash before the rename leaves the old checkpoint in place.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_zero.checkpoint.metadata import (
+    LIGHTNING_FILE,
+    CheckpointError,
+    build_metadata,
+    check_same_model,
+    check_same_optimizers,
+    rank_file,
+    read_metadata,
+    write_metadata,
+)
+from lightning_zero.core import shard_state
+from lightning_zero.core.comm import Communicator
+from lightning_zero.core.engine import ZeroEngine
+
+
+def save_sharded(
+    engine: ZeroEngine,
+    path: str | Path,
+    extra: dict[str, Any],
+    version: str,
+    precision: str = "32-true",
+    optimizers: bool = True,
+) -> None:
+    """Write ``engine``'s shards (optimizer state too with ``optimizers``) and rank 0's ``extra`` to the directory
+    ``path`` (collective)."""
+    comm = engine.comm
+    path = Path(path)
+    token = comm.all_gather_object(uuid.uuid4().hex[:12] if comm.rank == 0 else None)[0]
+    tmp = path.with_name(f"{path.name}.tmp-{token}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = shard_state.collect_rank_state(engine, optimizers)
+    torch.save({"rank": comm.rank, "world_size": comm.world_size, **state}, tmp / rank_file(comm.rank))
+    if comm.rank == 0:
+        metadata = build_metadata(
+            version=version,
+            world_size=comm.world_size,
+            stage=engine.config.stage,
+            partition=engine.config.partition,
+            precision=precision,
+            tensors=shard_state.tensor_specs(engine),
+            state_dict_keys=shard_state.state_dict_keys(engine),
+            optimizers=shard_state.optimizer_groups(engine) if optimizers else [],
+        )
+        torch.save(extra, tmp / LIGHTNING_FILE)
+        write_metadata(tmp, metadata)  # last: a directory without it is never taken for a checkpoint
+    _barrier(comm)
+    if comm.rank == 0:
+        _commit(tmp, path, token)
+    _barrier(comm)
+
+
+def _barrier(comm: Communicator) -> None:
+    comm.all_gather_object(None)
+
+
+def _commit(tmp: Path, path: Path, token: str) -> None:
+    old = path.with_name(f"{path.name}.old-{token}")
+    if path.is_dir():
+        path.rename(old)
+    elif path.exists():
+        path.unlink()
+    tmp.rename(path)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def remove_sharded(path: str | Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class ShardedCheckpoint:
+    """A sharded checkpoint opened for reading: metadata checked, rank files opened lazily with ``mmap``."""
+
+    def __init__(self, path: str | Path, check_all_files: bool = True) -> None:
+        self.path = Path(path)
+        self.where = f"checkpoint '{self.path}'"
+        self.metadata = read_metadata(self.path)
+        self.tensors: dict[str, dict[str, Any]] = self.metadata["tensors"]
+        self._files: dict[int, dict[str, Any]] = {}
+        if check_all_files:  # every rank checks every file, so a corrupt one fails on every rank alike
+            for rank in range(self.metadata["world_size"]):
+                self.rank_data(rank)
+
+    def rank_data(self, rank: int) -> dict[str, Any]:
+        if rank not in self._files:
+            file = self.path / rank_file(rank)
+            try:
+                data = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as error:
+                raise CheckpointError(
+                    f"{self.where}: shard file {file.name} is truncated or corrupt ({type(error).__name__}: "
+                    f"{str(error).splitlines()[0] if str(error) else ''}). Restore it or use another checkpoint."
+                ) from error
+            if not isinstance(data, dict) or data.get("rank") != rank or "params" not in data:
+                raise CheckpointError(
+                    f"{self.where}: shard file {file.name} does not hold rank {rank}'s shards. Restore it or use "
+                    "another checkpoint."
+                )
+            self._files[rank] = data
+        return self._files[rank]
+
+    def release(self) -> None:
+        """Close the rank files (their pages leave memory); they are opened again when next needed."""
+        self._files.clear()
+
+    def lightning_state(self) -> dict[str, Any]:
+        file = self.path / LIGHTNING_FILE
+        try:
+            return torch.load(file, map_location="cpu", weights_only=False)
+        except Exception as error:
+            raise CheckpointError(
+                f"{self.where}: {LIGHTNING_FILE} is missing or corrupt ({type(error).__name__}). Use another "
+                "checkpoint."
+            ) from error
+
+    def read(self, section: Any, name: str, start: int, end: int) -> Tensor:
+        """Elements ``[start, end)`` of flattened tensor ``name`` (``section``: "params" or (optimizer, key))."""
+        spec = self.tensors[name]
+        out = torch.empty(end - start, dtype=getattr(torch, spec["dtype"]))
+        filled = 0
+        for rank, lo, hi in spec["ranges"]:
+            begin, stop = max(lo, start), min(hi, end)
+            if begin >= stop:
+                continue
+            source = self._source(rank, section, name)
+            if source.dtype != out.dtype and section != "params":
+                out = out.to(source.dtype)
+            out[begin - start : stop - start].copy_(source[begin - lo : stop - lo])
+            filled += stop - begin
+        if filled != end - start:
+            raise CheckpointError(
+                f"{self.where}: elements [{start}, {end}) of {name!r} are not all in the shard files "
+                f"({section}). Restore the checkpoint or use another one."
+            )
+        return out
+
+    def _source(self, rank: int, section: Any, name: str) -> Tensor:
+        data = self.rank_data(rank)
+        try:
+            if section == "params":
+                return data["params"][name]
+            index, key = section
+            return data["optimizers"][index]["state"][name][key]
+        except (KeyError, IndexError) as error:
+            raise CheckpointError(
+                f"{self.where}: shard file {rank_file(rank)} lacks {section} of {name!r}. Restore it or use "
+                "another checkpoint."
+            ) from error
+
+    def optimizer_scalars(self, index: int) -> dict[str, dict[str, Any]]:
+        """Per parameter name with state: its scalar state and element-wise keys, from the first owner's file."""
+        scalars: dict[str, dict[str, Any]] = {}
+        for groups in self.metadata["optimizers"][index]["param_groups"]:
+            for name in groups:
+                ranges = self.tensors[name]["ranges"]
+                if not ranges:
+                    continue
+                state = self.rank_data(ranges[0][0])["optimizers"][index]["state"].get(name)
+                if state:
+                    scalars[name] = shard_state.scalar_states({name: state})[name]
+        return scalars
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The plain module's ``state_dict``, every tensor in full (for a module that no engine shards)."""
+        full: dict[str, Tensor] = {}
+        for _, name in self.metadata["state_dict_keys"]:
+            if name not in full:
+                spec = self.tensors[name]
+                numel = math.prod(spec["shape"])
+                full[name] = (
+                    self.read("params", name, 0, numel).view(spec["shape"])
+                    if numel
+                    else torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+                )
+        return {key: full[name] for key, name in self.metadata["state_dict_keys"]}
+
+    def param_groups(self, index: int) -> list[dict[str, Any]]:
+        return self.rank_data(0)["optimizers"][index]["param_groups"]
+
+
+def load_sharded_params(engine: ZeroEngine, checkpoint: ShardedCheckpoint) -> None:
+    check_same_model(checkpoint.metadata, shard_state.tensor_specs(engine), checkpoint.where)
+    shard_state.load_params(engine, checkpoint.tensors, checkpoint.read)
+
+
+def load_sharded_optimizers(engine: ZeroEngine, checkpoint: ShardedCheckpoint) -> None:
+    check_same_optimizers(checkpoint.metadata, shard_state.optimizer_groups(engine), checkpoint.where)
+    for index in range(len(engine.bindings)):
+        saved = {"param_groups": checkpoint.param_groups(index)}
+        shard_state.load_optimizer(engine, index, saved, checkpoint.optimizer_scalars(index), checkpoint.read)

@@ -1,0 +1,115 @@
+"""metadata.json of sharded checkpoints: the checks a load makes before it reads any shard."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import lightning_zero
+from lightning_zero.checkpoint.metadata import (
+    FORMAT_VERSION,
+    CheckpointError,
+    build_metadata,
+    check_same_model,
+    check_same_optimizers,
+    read_metadata,
+    write_metadata,
+)
+
+TENSORS = {
+    "a.weight": {"shape": [4, 3], "dtype": "float32", "ranges": [[0, 0, 6], [1, 6, 12]]},
+    "a.bias": {"shape": [4], "dtype": "float32", "ranges": [[1, 0, 4]]},
+}
+
+
+def _write(directory: Path, world_size: int = 2, ranks: tuple[int, ...] = (0, 1)) -> dict:
+    directory.mkdir(exist_ok=True)
+    metadata = build_metadata(
+        version=lightning_zero.__version__,
+        world_size=world_size,
+        stage=3,
+        partition="flat",
+        precision="32-true",
+        tensors=TENSORS,
+        state_dict_keys=[["a.weight", "a.weight"], ["a.bias", "a.bias"]],
+        optimizers=[[["a.weight", "a.bias"]]],
+    )
+    write_metadata(directory, metadata)
+    for rank in ranks:
+        (directory / f"rank_{rank}.pt").write_bytes(b"")
+    return metadata
+
+
+def test_complete_metadata_reads_back(tmp_path: Path) -> None:
+    written = _write(tmp_path / "ckpt")
+    assert read_metadata(tmp_path / "ckpt") == written
+    assert written["format_version"] == FORMAT_VERSION
+
+
+def test_missing_rank_files_are_listed(tmp_path: Path) -> None:
+    _write(tmp_path / "ckpt", world_size=4, ranks=(0, 1, 2))
+    message = f"checkpoint '{tmp_path / 'ckpt'}' is incomplete: metadata lists 4 ranks, shard files for ranks [3]"
+    with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        read_metadata(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (lambda d: (d / "metadata.json").unlink(), "has no metadata.json"),
+        (lambda d: (d / "metadata.json").write_text("{not json"), "metadata.json is corrupt"),
+        (lambda d: (d / "metadata.json").write_text(json.dumps({"format_version": 7})), "has format version 7"),
+    ],
+    ids=["no-metadata", "corrupt-metadata", "future-version"],
+)
+def test_damaged_metadata_is_named(tmp_path: Path, damage: Callable[[Path], object], expected: str) -> None:
+    _write(tmp_path / "ckpt")
+    damage(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match=expected):
+        read_metadata(tmp_path / "ckpt")
+
+
+def test_a_file_is_not_a_sharded_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "model.ckpt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        read_metadata(tmp_path / "model.ckpt")
+
+
+def test_a_different_model_names_its_first_difference(tmp_path: Path) -> None:
+    metadata = _write(tmp_path / "ckpt")
+    same = {name: dict(spec, ranges=[]) for name, spec in TENSORS.items()}
+    check_same_model(metadata, same, "ckpt")
+    with pytest.raises(CheckpointError, match=r"tensor 'a.bias' has shape \[4\] there, \[5\] here"):
+        check_same_model(metadata, {**same, "a.bias": {"shape": [5], "dtype": "float32"}}, "ckpt")
+    with pytest.raises(CheckpointError, match=r"it has no tensor 'b\.weight'"):
+        check_same_model(metadata, {**same, "b.weight": {"shape": [1], "dtype": "float32"}}, "ckpt")
+    with pytest.raises(CheckpointError, match=r"this model has no tensor 'a\.bias'"):
+        check_same_model(metadata, {"a.weight": same["a.weight"]}, "ckpt")
+    with pytest.raises(CheckpointError, match="dtype float32 there, float64 here"):
+        check_same_model(metadata, {**same, "a.bias": {"shape": [4], "dtype": "float64"}}, "ckpt")
+    with pytest.raises(CheckpointError, match="param groups hold"):
+        check_same_optimizers(metadata, [[["a.weight"], ["a.bias"]]], "ckpt")
+
+
+CHECK = f"""
+import sys, types
+package = types.ModuleType("lightning_zero")
+package.__path__ = [{str(Path(lightning_zero.__file__).parent)!r}]
+sys.modules["lightning_zero"] = package
+import lightning_zero.checkpoint, lightning_zero.core.shard_state
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning"))
+print(loaded)
+sys.exit(1 if loaded else 0)
+"""
+
+
+def test_checkpoint_package_does_not_import_lightning() -> None:
+    result = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, (
+        f"lightning modules loaded by lightning_zero.checkpoint: {result.stdout}{result.stderr}"
+    )
