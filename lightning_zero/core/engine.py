@@ -291,7 +291,7 @@ class ZeroEngine:
             for buffer in unit.buffers:
                 for param in buffer.params:
                     param.data = param.data.clone()
-                buffer.data = None
+            unit.reshard()
             unit.remove_hooks()
         self.units = []
 

@@ -11,6 +11,13 @@ parameter whose ``grad`` is ``None`` as it would without sharding. Its in-place 
 straight into the flat buffer, from where the updated shard is all-gathered. A piece forwards
 ``requires_grad`` to its parameter, so code that freezes "the optimizer's parameters" (Lightning's
 ``toggle_optimizer``) freezes the module's.
+
+[Note: freeing gathered storage]
+Stage 3 frees a gathered buffer by resizing its storage to zero bytes, and gathers into the same storage
+after resizing it back. The parameters stay views of the buffer throughout (their shapes never change),
+and so do the tensors autograd saved for backward: ``F.linear`` saves ``weight.t()``, a view of the
+buffer's storage. Swapping ``param.data`` instead would leave those saved views holding the old
+storage, i.e. every unit gathered in forward would stay in memory until its backward.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from lightning_zero.core.layout import FlatLayout, Piece
 class ShardedState(Enum):
     """Which parameter storage a buffer holds; see ``FlatParamBuffer.nbytes`` for what each costs."""
 
-    SHARDED = auto()  # only the shard; parameters point at an empty placeholder (stage 3 at rest)
+    SHARDED = auto()  # only the shard; the full buffer's storage has size 0 (stage 3 at rest)
     GATHERED = auto()  # the full flat buffer too; parameters are views into it
 
 
@@ -59,7 +66,7 @@ class FlatParamBuffer:
 
     layout: FlatLayout
     params: list[nn.Parameter]
-    data: Tensor | None  # 1D, layout.padded_numel elements while gathered; params are views into it
+    data: Tensor  # 1D, layout.padded_numel elements; params are views into it (storage freed while sharded)
     shard: Tensor  # 1D, this rank's layout.shard_numel elements (a view of data when it is kept)
     pieces: list[Piece]  # per param, its part inside this rank's shard (empty where it has none)
     piece_params: list[ShardPiece]  # per param, a 1D view of the shard for the optimizer
@@ -98,7 +105,6 @@ class FlatParamBuffer:
         lo, hi = self.layout.shard_bounds(rank)
         self.keep_full = keep_full
         self.shard = self.data[lo:hi] if keep_full else torch.empty(hi - lo, dtype=dtype, device=device)
-        self._placeholder = torch.empty(0, dtype=dtype, device=device)  # what parameters point at while sharded
         owned = {piece.slot: piece for piece in self.layout.pieces(rank)}
         self.pieces = [owned.get(slot, Piece(slot, 0, 0, 0)) for slot in range(len(self.params))]
         self.piece_params = [
@@ -108,20 +114,25 @@ class FlatParamBuffer:
 
     @property
     def state(self) -> ShardedState:
-        return ShardedState.GATHERED if self.data is not None else ShardedState.SHARDED
+        return ShardedState.GATHERED if self.data.untyped_storage().nbytes() > 0 else ShardedState.SHARDED
 
     def start_unshard(self, comm: Communicator) -> Work | None:
-        """Allocate the full buffer and start gathering every rank's shard into it (stage 3)."""
-        if self.data is not None:
+        """Give the full buffer its memory back and start gathering every rank's shard into it (stage 3)."""
+        if self.state is ShardedState.GATHERED:
             return None
-        self.data = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
-        return comm.all_gather(self.data, self.shard, async_op=True)
+        storage = self.data.untyped_storage()
+        storage.resize_(self.layout.padded_numel * self.data.element_size())
+        # The gather writes back the values autograd saved in forward. It writes through an alias of the
+        # storage with a version counter of its own, so backward does not take it for an in-place change of
+        # the saved views (the values are the same: see [Note: freeing gathered storage]).
+        target = torch.empty(0, dtype=self.data.dtype, device=self.data.device).set_(storage, 0, self.data.shape)
+        return comm.all_gather(target, self.shard, async_op=True)
 
-    def finish_unshard(self) -> None:
-        """Point the parameters at the gathered buffer (after the gather completed)."""
-        assert self.data is not None
-        for param, view in zip(self.params, self.param_views(self.data), strict=True):
-            param.data = view
+    @staticmethod
+    def wait_unshard(work: Work | None) -> None:
+        """Wait for a gather from :meth:`start_unshard`."""
+        if work is not None:
+            work.wait()
 
     def commit_shard(self) -> None:
         """Keep this rank's part of the full buffer as the shard and free the rest (stage 3 setup)."""
@@ -130,16 +141,13 @@ class FlatParamBuffer:
 
     def write_back(self) -> None:
         """Copy this rank's part of the gathered buffer into the shard (after the parameters were changed)."""
-        assert self.data is not None
         lo, hi = self.layout.shard_bounds(self.rank)
         if not self.keep_full:
             self.shard.copy_(self.data[lo:hi])
 
     def reshard(self) -> None:
-        """Free the full buffer; parameters point at an empty placeholder until the next gather."""
-        for param in self.params:
-            param.data = self._placeholder
-        self.data = None
+        """Free the full buffer's memory. See [Note: freeing gathered storage]."""
+        self.data.untyped_storage().resize_(0)
 
     def param_views(self, flat: Tensor) -> list[Tensor]:
         """Views of a full-size flat tensor shaped like each parameter."""
@@ -153,5 +161,5 @@ class FlatParamBuffer:
     @property
     def nbytes(self) -> int:
         """Bytes of parameter storage held now: the full buffer, and the shard when it is separate."""
-        full = 0 if self.data is None else self.data.numel() * self.data.element_size()
+        full = self.data.untyped_storage().nbytes()
         return full + (0 if self.keep_full else self.shard.numel() * self.shard.element_size())

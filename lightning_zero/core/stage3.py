@@ -30,7 +30,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from lightning_zero.core.comm import Communicator, Work, wait_all
+from lightning_zero.core.comm import Communicator, Work
 from lightning_zero.core.flat_buffer import FlatParamBuffer, ShardedState
 from lightning_zero.core.prefetch import Prefetcher
 
@@ -178,11 +178,7 @@ class GatherUnit:
         if not self._pending and self.state is ShardedState.GATHERED:
             return
         self.start_unshard()
-        wait_all(self._pending)
-        for buffer, work in zip(self.buffers, self._pending, strict=True):
-            if work is not None:
-                buffer.finish_unshard()
-        self._pending = []
+        self._wait_pending()
 
     def write_back(self) -> None:
         for buffer in self.buffers:
@@ -190,11 +186,15 @@ class GatherUnit:
                 buffer.write_back()
 
     def reshard(self) -> None:
-        wait_all(self._pending)  # never free a buffer that a gather still writes into
-        self._pending = []
+        self._wait_pending()  # never free a buffer that a gather still writes into
         for buffer in self.buffers:
             if buffer.state is ShardedState.GATHERED:
                 buffer.reshard()
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for buffer, work in zip(self.buffers, pending or [None] * len(self.buffers), strict=True):
+            buffer.wait_unshard(work)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -19,7 +19,7 @@ STAGES = (1, 2, 3)
 def _one_step(rank: int, stage: int, comm: Communicator) -> dict:
     torch.manual_seed(0)
     model = TinyLM()
-    psi = sum(p.numel() for p in model.parameters())  # before sharding: stage 3 leaves placeholders at rest
+    psi = sum(p.numel() for p in model.parameters())  # before sharding: stage 3 frees the full storage at rest
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # At stage 3 every Linear is a gather unit; the embedding is in the root unit.
     config = ZeroConfig(stage=stage, bucket_cap_mb=0.001, wrap_policy={nn.Linear} if stage == 3 else None)
