@@ -12,7 +12,7 @@ from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
 from tests.helpers import run_on_ranks
 
-STAGES = (1, 2)
+STAGES = (1, 2, 3)
 WORLD_SIZE = 2
 FIELDS = ("params", "gradients", "optimizer_states", "total")
 
