@@ -364,8 +364,8 @@ class ZeroStrategy(ParallelStrategy):
             return self.lightning_module.state_dict()
         if self._sharded_checkpoints:
             return {}  # save_checkpoint writes each rank's shards instead
-        with self._engine.gathered():  # stage 3: every unit in full, once (a no-op for stages 1 and 2)
-            return {key: value.detach().clone() for key, value in self.lightning_module.state_dict().items()}
+        # Only rank 0 writes the file: it alone collects the tensors, gathered one stage-3 unit at a time.
+        return self._engine.full_state_dict(keep=self.is_global_zero)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -281,6 +281,24 @@ class ZeroEngine:
                     unit.write_back()
                 unit.reshard()
 
+    def full_state_dict(self, keep: bool) -> dict[str, Tensor]:
+        """The module's ``state_dict`` with full tensors, gathered one unit at a time (collective).
+
+        Only ranks with ``keep`` (e.g. the one that writes the file) collect the tensors; the others hold one
+        gathered unit at a time and get ``{}``. At stages 1 and 2 the parameters are full anyway.
+        """
+        collected: dict[Tensor, Tensor] = {}
+        for unit in self.units:
+            unit.unshard()
+            if keep:
+                for buffer in unit.buffers:
+                    collected.update((param, param.detach().clone()) for param in buffer.params)
+            unit.reshard()
+        if not keep:
+            return {}
+        state = self.module.state_dict(keep_vars=True)
+        return {key: collected.get(value, value).detach().clone() for key, value in state.items()}
+
     def release_full_params(self) -> None:
         """Stage 3: give every parameter its own full tensor again and stop sharding them.
 

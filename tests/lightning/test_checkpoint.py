@@ -1,7 +1,7 @@
 """Full checkpoints through ``trainer.save_checkpoint`` and resuming with ``fit(ckpt_path=...)``, on 2 gloo ranks.
 
-One spawn runs everything (see ``runs``): DDP, stage 1 and stage 2 each train 8 steps and save a checkpoint
-after step 4 (the end of the first epoch); then stage 1 and 2 resume from their own checkpoint, and stage 1
+One spawn runs everything (see ``runs``): DDP and stages 1-3 each train 8 steps and save a checkpoint
+after step 4 (the end of the first epoch); then each stage resumes from its own checkpoint, and across stages (2 to 1, 3 to 1, 1 to 3)
 from stage 2's. The model ties its head to its embedding and has two param groups and a StepLR scheduler, so
 the checkpoint holds shared keys, per-group hyperparameters and scheduler state.
 """
@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from tests.helpers import run_on_ranks
 from tests.lightning.models import TiedLM, fit_cases, max_rel_diff, result_of
@@ -27,11 +28,12 @@ BASE: dict[str, Any] = {
     "model": "tied",
     "model_kwargs": {"param_groups": True},
     "samples": SAMPLES,
-    "strategy_kwargs": {"state_dict_type": "full"},
+    # wrap_policy only matters at stage 3, where every Linear becomes a gather unit.
+    "strategy_kwargs": {"state_dict_type": "full", "wrap_policy": {nn.Linear}},
     "trainer": {"max_steps": STEPS},
 }
-SAVED = {"ddp": "ddp.ckpt", 1: "zero1.ckpt", 2: "zero2.ckpt"}
-RESUMES = [(1, 1), (2, 2), (2, 1)]  # (stage that saved, stage that resumes)
+SAVED = {"ddp": "ddp.ckpt", 1: "zero1.ckpt", 2: "zero2.ckpt", 3: "zero3.ckpt"}
+RESUMES = [(1, 1), (2, 2), (2, 1), (3, 3), (3, 1), (1, 3)]  # (stage that saved, stage that resumes)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def _assert_close(expected: dict[str, torch.Tensor], actual: dict[str, torch.Ten
     assert not bad, f"{what}: relative differences {bad}"
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_full_checkpoint_is_one_ordinary_file_with_the_plain_state_dict(runs: dict[str, Any], stage: int) -> None:
     result_of(runs["uninterrupted"][stage])  # the run that saved it did not raise
     path = runs["dir"] / SAVED[stage]
@@ -75,7 +77,7 @@ def test_full_checkpoint_is_one_ordinary_file_with_the_plain_state_dict(runs: di
     assert checkpoint["state_dict"]["head.weight"].equal(checkpoint["state_dict"]["embed.weight"])
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_full_checkpoint_optimizer_state_equals_ddp(runs: dict[str, Any], stage: int) -> None:
     result_of(runs["uninterrupted"]["ddp"])
     result_of(runs["uninterrupted"][stage])
@@ -102,7 +104,7 @@ def test_resume_continues_like_the_uninterrupted_run(runs: dict[str, Any], saved
     _assert_close(result_of(runs["uninterrupted"]["ddp"])["state"], result["state"], "resumed vs uninterrupted DDP")
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_saving_mid_run_leaves_training_equal_to_ddp(runs: dict[str, Any], stage: int) -> None:
     for rank, results in enumerate(runs["per_rank"]):
         ddp, zero = result_of(results[0]), result_of(results[list(SAVED).index(stage)])
