@@ -1,8 +1,8 @@
 """Full checkpoints through ``trainer.save_checkpoint`` and resuming with ``fit(ckpt_path=...)``, on 2 gloo ranks.
 
 One spawn runs everything (see ``runs``): DDP and stages 1-3 each train 8 steps and save a checkpoint
-after step 4 (the end of the first epoch); then each stage resumes from its own checkpoint, and across stages (2 to 1, 3 to 1, 1 to 3)
-from stage 2's. The model ties its head to its embedding and has two param groups and a StepLR scheduler, so
+after step 4 (the end of the first epoch); then each stage resumes from its own checkpoint, and stages resume
+from each other's (2 to 1, 3 to 1, 1 to 3). The model ties its head to its embedding and has two param groups and a StepLR scheduler, so
 the checkpoint holds shared keys, per-group hyperparameters and scheduler state.
 """
 
