@@ -2,8 +2,8 @@
 
 One spawn runs everything (see ``runs``): DDP and stages 1-3 each train 8 steps and save a checkpoint
 after step 4 (the end of the first epoch); then each stage resumes from its own checkpoint, and stages resume
-from each other's (2 to 1, 3 to 1, 1 to 3). The model ties its head to its embedding and has two param groups and a StepLR scheduler, so
-the checkpoint holds shared keys, per-group hyperparameters and scheduler state.
+from each other's (2 to 1, 3 to 1, 1 to 3). The model ties its head to its embedding and has two param groups
+and a StepLR scheduler, so the checkpoint holds shared keys, per-group hyperparameters and scheduler state.
 """
 
 from __future__ import annotations
