@@ -31,7 +31,8 @@ What it does
 
 Systems: ``ddp`` (``DistributedDataParallel``, ``gradient_as_bucket_view=True``: gradients live in its
 buckets, 16Ψ bytes of model states), ``ddp_copy`` (DDP defaults: a separate bucket copy of the
-gradients, 4Ψ more that the tensor count does not see), ``zero1``, ``zero2``.
+gradients, 4Ψ more that the tensor count does not see), ``zero1``, ``zero2``, ``zero3``, ``fsdp2``, and
+``zero1_torch`` (DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer`` over AdamW, PyTorch's stage 1).
 
 Reported per system: median step time, its ratio to ``ddp``'s median and the median of the per-round
 ratios, tokens/s, per-phase times and minor page faults per step, per-rank model-state bytes counted
@@ -80,7 +81,7 @@ from lightning_zero.config import ZeroConfig  # noqa: E402
 from lightning_zero.core.comm import Communicator  # noqa: E402
 from lightning_zero.core.engine import ZeroEngine  # noqa: E402
 
-SYSTEMS = ("ddp", "ddp_copy", "zero1", "zero2", "zero3", "fsdp2")
+SYSTEMS = ("ddp", "ddp_copy", "zero1", "zero2", "zero3", "fsdp2", "zero1_torch")
 RSS_VARIANTS = {"as-is": {}, "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 _TIMEOUT_S = 1800
 
@@ -164,6 +165,50 @@ class DDPSystem(System):
     def comm_bytes(self) -> int:
         # [Note: counting communication]: an all-reduce of a 4Ψ-byte fp32 buffer counts 2 x 4Ψ.
         return 2 * 4 * self.numel
+
+
+class TorchZero1System(DDPSystem):
+    """PyTorch's own stage 1: DDP (``gradient_as_bucket_view=True``) + ``ZeroRedundancyOptimizer`` over AdamW.
+
+    ``ZeroRedundancyOptimizer`` shards whole parameters (each rank owns a subset of the tensors, balanced by
+    size), not flat slices, so its optimizer state per rank is only about 8Ψ/N. After its local step it
+    broadcasts each rank's updated parameters to the others.
+    """
+
+    def __init__(self, name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        self.name = name
+        self.model = make_model(cfg, args.seed)
+        self.ddp = DistributedDataParallel(
+            self.model, process_group=group, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb
+        )
+        groups = make_adamw(self.model, args.lr).param_groups  # the same two groups and hyper-parameters
+        hyper = {"lr": groups[0]["lr"], "betas": groups[0]["betas"]}  # as make_adamw; the rest are AdamW's defaults
+        kwargs = {"optimizer_class": torch.optim.AdamW, "process_group": group, **hyper}
+        try:
+            self.optimizer = ZeroRedundancyOptimizer(
+                [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups], **kwargs
+            )
+        except (TypeError, ValueError):  # older torch: no param groups at construction
+            self.optimizer = ZeroRedundancyOptimizer(
+                groups[0]["params"], weight_decay=groups[0]["weight_decay"], **kwargs
+            )
+            self.optimizer.add_param_group({"params": groups[1]["params"], "weight_decay": groups[1]["weight_decay"]})
+        self.numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def memory(self) -> dict[str, int]:
+        params = list(self.model.parameters())
+        states = [v for s in self.optimizer.optim.state.values() for v in s.values()]  # this rank's shard only
+        return {
+            "params": tensor_bytes(params),
+            "gradients": tensor_bytes(p.grad for p in params),
+            "optimizer_states": tensor_bytes(states),
+        }
+
+    def comm_bytes(self) -> int:
+        # Not measured: DDP's gradient all-reduce (2 x 4Ψ) plus the parameter broadcasts after the step (4Ψ).
+        return 2 * 4 * self.numel + 4 * self.numel
 
 
 class ZeroSystem(System):
@@ -256,6 +301,8 @@ class FSDP2System(System):
 def build_system(name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> System:
     if name.startswith("ddp"):
         return DDPSystem(name, cfg, args, group)
+    if name == "zero1_torch":
+        return TorchZero1System(name, cfg, args, group)
     return FSDP2System(name, cfg, args, group) if name == "fsdp2" else ZeroSystem(name, cfg, args, group)
 
 
@@ -264,7 +311,7 @@ def formula_bytes(name: str, numel: int, world_size: int) -> float:
     psi, n = numel, world_size
     if name.startswith("ddp"):
         return 16 * psi
-    if name == "zero1":
+    if name in ("zero1", "zero1_torch"):  # zero1_torch shards whole tensors: near, not exactly, 8Ψ/N
         return 4 * psi + 4 * psi + 8 * psi / n
     if name == "zero2":
         return 4 * psi + 12 * psi / n
