@@ -1,4 +1,4 @@
-"""The sharding core never imports Lightning (see docs/design.md: dependencies point one way)."""
+"""The sharding core, the checkpoint package and the estimator never import Lightning (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ package = types.ModuleType("lightning_zero")
 package.__path__ = [{PACKAGE_DIR!r}]
 sys.modules["lightning_zero"] = package
 import lightning_zero.core.engine, lightning_zero.core.layout, lightning_zero.core.comm, lightning_zero.config
+import lightning_zero.core.shard_state, lightning_zero.checkpoint, lightning_zero.estimate
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning"))
 print(loaded)
 sys.exit(1 if loaded else 0)
