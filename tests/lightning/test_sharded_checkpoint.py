@@ -40,6 +40,7 @@ SAVES = {"ddp2": (2, "ddp"), "z1_2": (2, 1), "z3_2": (2, 3), "ddp3": (3, "ddp"),
 # (checkpoint, world size that resumes, strategy that resumes)
 RESUMES_ON_3 = [("ddp2", "ddp"), ("z1_2", 3)]
 RESUMES_ON_2 = [("z1_2", 1), ("z3_2", 3), ("z3_2", 2), ("ddp3", "ddp"), ("z3_3", 1)]
+RESUMES_ON_1 = [("ddp3", "ddp"), ("z3_3", 2)]
 
 
 def _saves(directory: Path, world_size: int) -> list[dict[str, Any]]:
@@ -68,9 +69,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ]
     cases = _resumes(directory, RESUMES_ON_2) + failing
     third = run_on_ranks(_resumes_and_model_checkpoint, 2, cases, str(directory / "mc"))
+    fourth = run_on_ranks(fit_cases, 1, _resumes(directory, RESUMES_ON_1))
     saved, resumed = {}, {}
-    for per_rank, world_size, resumes in ((first, 2, []), (second, 3, RESUMES_ON_3), (third, 2, RESUMES_ON_2)):
-        names = [n for n, (size, _) in SAVES.items() if size == world_size] if per_rank is not third else []
+    runs_by_size = ((first, 2, []), (second, 3, RESUMES_ON_3), (third, 2, RESUMES_ON_2), (fourth, 1, RESUMES_ON_1))
+    for per_rank, world_size, resumes in runs_by_size:
+        saving = per_rank is first or per_rank is second
+        names = [n for n, (size, _) in SAVES.items() if size == world_size] if saving else []
         keys = names + [(name, world_size, strategy) for name, strategy in resumes]
         for index, key in enumerate(keys):
             (saved if isinstance(key, str) else resumed)[key] = [results[index] for results in per_rank]
@@ -151,8 +155,8 @@ def test_stage3_resumes_at_stage2_like_the_uninterrupted_run(runs: dict[str, Any
 
 @pytest.mark.parametrize(
     ("name", "world_size", "strategy", "oracle"),
-    [("z3_3", 2, 1, "ddp3"), ("z1_2", 3, 3, "ddp2")],
-    ids=["stage3-3ranks-to-stage1-2ranks", "stage1-2ranks-to-stage3-3ranks"],
+    [("z3_3", 2, 1, "ddp3"), ("z1_2", 3, 3, "ddp2"), ("z3_3", 1, 2, "ddp3")],
+    ids=["stage3-3ranks-to-stage1-2ranks", "stage1-2ranks-to-stage3-3ranks", "stage3-3ranks-to-stage2-1rank"],
 )
 def test_resume_at_another_world_size_and_stage_matches_ddp(
     runs: dict[str, Any], name: str, world_size: int, strategy: int, oracle: str
