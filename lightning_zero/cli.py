@@ -73,12 +73,27 @@ def _consolidate(args: argparse.Namespace) -> int:
     from lightning_zero.checkpoint import CheckpointError, consolidate
 
     try:
-        consolidate(args.checkpoint_dir, args.out_file)
+        consolidate(args.checkpoint_dir, args.out_file, progress=_ProgressLine())
     except CheckpointError as error:
         print(f"lightning-zero consolidate: {error}", file=sys.stderr)
         return 1
     print(f"wrote {args.out_file} ({args.out_file.stat().st_size:,} bytes)")
     return 0
+
+
+class _ProgressLine:
+    """Prints ``consolidate: 40% (1.2 of 3.0 GB)`` to stderr at every further 10% of a checkpoint over 100 MB."""
+
+    def __init__(self) -> None:
+        self._shown = 0
+
+    def __call__(self, written: int, total: int) -> None:
+        if total < 100e6:
+            return
+        percent = int(100 * written / total) // 10 * 10
+        if percent > self._shown:
+            self._shown = percent
+            print(f"consolidate: {percent}% ({written / 1e9:.1f} of {total / 1e9:.1f} GB)", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- estimate

@@ -16,6 +16,7 @@ import pickle
 import sys
 import zipfile
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,17 @@ class _Pickler(pickle.Pickler):
         return None
 
 
-def consolidate(sharded_dir: str | os.PathLike, out_file: str | os.PathLike) -> None:
+def consolidate(
+    sharded_dir: str | os.PathLike,
+    out_file: str | os.PathLike,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
     """Write the sharded checkpoint ``sharded_dir`` as one ordinary Lightning checkpoint file ``out_file``.
+
+    Args:
+        sharded_dir: the directory ``trainer.save_checkpoint`` wrote with ``state_dict_type="sharded"``.
+        out_file: the file to write (written under a temporary name, then renamed).
+        progress: called as ``progress(bytes_written, total_bytes)`` after each tensor.
 
     Raises:
         CheckpointError: if the checkpoint is incomplete, corrupt or of an unsupported format version.
@@ -90,12 +100,17 @@ def consolidate(sharded_dir: str | os.PathLike, out_file: str | os.PathLike) -> 
         archive.writestr(f"{prefix}/data.pkl", bytes(buffer.data))
         del buffer
         archive.writestr(f"{prefix}/byteorder", sys.byteorder)
+        total = sum(storage.numel * storage.dtype.itemsize for storage in storages)
+        written = 0
         for storage in storages:
             with archive.open(f"{prefix}/data/{storage.key}", "w", force_zip64=True) as record:
                 tensor = _materialize(checkpoint, storage)
                 record.write(memoryview(tensor.view(torch.uint8).numpy()))
+                written += tensor.numel() * tensor.element_size()
                 del tensor
                 checkpoint.release()
+            if progress is not None:
+                progress(written, total)
         archive.writestr(f"{prefix}/version", "3\n")
     tmp.replace(out_file)
 

@@ -140,3 +140,18 @@ def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == f"lightning-zero {__version__}"
     assert main([]) == 0
     assert "estimate" in capsys.readouterr().out
+
+
+def test_consolidate_progress_line_every_ten_percent(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_zero.cli import _ProgressLine
+
+    progress = _ProgressLine()
+    for written in range(0, 1_000_000_001, 50_000_000):
+        progress(written, 1_000_000_000)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "consolidate: 10% (0.1 of 1.0 GB)"
+    assert lines[-1] == "consolidate: 100% (1.0 of 1.0 GB)"
+    assert len(lines) == 10
+    small = _ProgressLine()
+    small(5, 10)  # under 100 MB: silent
+    assert capsys.readouterr().err == ""
