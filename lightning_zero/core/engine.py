@@ -99,7 +99,12 @@ class ZeroEngine:
         for unit in self.units:
             unit.on_backward_start = self.reducer.ensure_end_callback
             unit.prefetcher = self.prefetcher
+        # Stage 3: per bucket its unit, and the buckets that must all be complete before that unit is freed.
         self._unit_of_bucket = [self._unit_of(bucket.buffer) for bucket in self.buckets]
+        self._unit_buckets = {
+            unit: [b for b, u in zip(self.buckets, self._unit_of_bucket, strict=True) if u is unit]
+            for unit in self.units
+        }
         for binding in self.bindings:
             self._bind_optimizer(binding)
         self.last_step_comm = CommStats()
@@ -329,7 +334,7 @@ class ZeroEngine:
         unit = self._unit_of_bucket[bucket_index]
         if unit is None or unit.holds_frozen:
             return
-        if all(bucket.ready for bucket, u in zip(self.buckets, self._unit_of_bucket, strict=True) if u is unit):
+        if all(bucket.ready for bucket in self._unit_buckets[unit]):
             unit.reshard()
 
     # ------------------------------------------------------------------ state
