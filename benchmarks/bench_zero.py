@@ -132,6 +132,19 @@ def _loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
 
+def _timed_step(model: nn.Module, optimizer: Any, x: Tensor, y: Tensor) -> dict[str, float]:
+    """zero_grad, forward, backward and step of a system whose wrapper does all its communication itself."""
+    t0 = time.perf_counter()
+    optimizer.zero_grad()
+    loss = _loss(model, x, y)
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    optimizer.step()
+    t3 = time.perf_counter()
+    return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
+
+
 class DDPSystem(System):
     def __init__(self, name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> None:
         self.name = name
@@ -143,15 +156,7 @@ class DDPSystem(System):
         self.numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def step(self, x: Tensor, y: Tensor) -> dict[str, float]:
-        t0 = time.perf_counter()
-        self.optimizer.zero_grad()
-        loss = _loss(self.ddp, x, y)
-        t1 = time.perf_counter()
-        loss.backward()  # the all-reduce overlaps backward and is waited for at its end
-        t2 = time.perf_counter()
-        self.optimizer.step()
-        t3 = time.perf_counter()
-        return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
+        return _timed_step(self.ddp, self.optimizer, x, y)  # the all-reduce overlaps backward, waited at its end
 
     def memory(self) -> dict[str, int]:
         params = list(self.model.parameters())
@@ -271,15 +276,7 @@ class FSDP2System(System):
         self.numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def step(self, x: Tensor, y: Tensor) -> dict[str, float]:
-        t0 = time.perf_counter()
-        self.optimizer.zero_grad()
-        loss = _loss(self.model, x, y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        self.optimizer.step()
-        t3 = time.perf_counter()
-        return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
+        return _timed_step(self.model, self.optimizer, x, y)
 
     def memory(self) -> dict[str, int]:
         params = list(self.model.parameters())
