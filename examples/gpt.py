@@ -9,7 +9,7 @@ CPU, 2 processes (gloo), ZeRO-2::
 One GPU node with 8 GPUs, ZeRO-3::
 
     python examples/gpt.py fit --config examples/configs/zero3.yaml \\
-        --trainer.accelerator=gpu --trainer.devices=8 --trainer.precision=bf16-mixed
+        --trainer.accelerator=gpu --trainer.devices=8
 
 Several nodes with torchrun (run on every node, NODE_RANK=0..1)::
 

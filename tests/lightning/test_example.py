@@ -35,3 +35,31 @@ def test_example_trains_from_yaml(tmp_path: Path, stage: int) -> None:
     # Byte-level loss starts near ln(256) = 5.55; 15 steps of AdamW must bring it well down.
     assert losses[0] > 5.0
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_checkpoints_yaml_saves_sharded_and_resumes_at_another_stage(tmp_path: Path) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    common = [
+        sys.executable,
+        "examples/gpt.py",
+        "fit",
+        "--config",
+        "examples/configs/checkpoints.yaml",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.limit_val_batches=0",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        f"--trainer.callbacks.init_args.dirpath={checkpoints}",
+    ]
+    first = subprocess.run([*common, "--trainer.max_steps=20"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    last = checkpoints / "last.ckpt"
+    assert (last / "metadata.json").is_file()  # stage 3 wrote a sharded directory
+    resumed = subprocess.run(
+        [*common, "--trainer.max_steps=24", "--trainer.strategy.init_args.stage=1", f"--ckpt_path={last}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
