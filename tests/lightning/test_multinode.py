@@ -20,7 +20,7 @@ def _command(save_dir: Path, devices: int, num_nodes: int) -> list[str]:
         "examples/gpt.py",
         "fit",
         "--config",
-        "examples/configs/zero3.yaml",
+        "examples/configs/multinode.yaml",
         f"--trainer.devices={devices}",
         f"--trainer.num_nodes={num_nodes}",
         f"--trainer.max_steps={STEPS}",
@@ -32,7 +32,7 @@ def _command(save_dir: Path, devices: int, num_nodes: int) -> list[str]:
 
 
 def _losses(save_dir: Path) -> list[float]:
-    (metrics,) = save_dir.glob("gpt_zero3/version_*/metrics.csv")
+    (metrics,) = save_dir.glob("gpt_multinode/version_*/metrics.csv")
     with metrics.open() as handle:
         return [float(row["train_loss"]) for row in csv.DictReader(handle) if row.get("train_loss")]
 
