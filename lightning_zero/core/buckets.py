@@ -204,7 +204,8 @@ class GradReducer:
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
-        if self._reducing:
+        # A backward through frozen stage-3 units only (no trainable bucket) has nothing to reduce.
+        if self._reducing and self.buckets:
             for bucket in self.buckets[self._next_launch :]:
                 bucket.launch()
             globally_used = self._agree_on_used()

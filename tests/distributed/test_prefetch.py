@@ -102,3 +102,16 @@ def test_a_changing_order_costs_nothing_but_a_wrong_guess() -> None:
         assert per_rank[True]["left"] == per_rank[False]["left"] == [0, 0, 0, 0]
         for a, b in zip(per_rank[True]["weights"], per_rank[False]["weights"], strict=True):
             assert torch.equal(a, b)
+
+
+def _frozen_backward(rank: int, world_size: int) -> list[float]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).requires_grad_(False)
+    engine = ZeroEngine(model, [], ZeroConfig(stage=3), Communicator())
+    x = torch.randn(4, 8, requires_grad=True)
+    model(x).sum().backward()  # gradients for the input only: the units are gathered, nothing is reduced
+    return [_in_flight(engine), float(x.grad.abs().sum() > 0)]
+
+
+def test_backward_through_frozen_units_only() -> None:
+    assert run_on_ranks(_frozen_backward, 2) == [[0, 1.0], [0, 1.0]]
