@@ -206,6 +206,7 @@ class ZeroStrategy(ParallelStrategy):
         assert self.model is not None
         assert self._comm is not None
         self.accelerator.setup(trainer)
+        self.precision_plugin.device_type = self.root_device.type  # autocast's device
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if not self._checkpointing_applied:
@@ -220,7 +221,14 @@ class ZeroStrategy(ParallelStrategy):
         if fitting or self.config.stage == 3:
             # Stage 3 shards (and, after configure_model, creates) the parameters for evaluation too.
             optimizers = [unwrap_optimizer(optimizer) for optimizer in self.optimizers] if fitting else []
-            self._engine = ZeroEngine(self.model, optimizers, self.config, self._comm, device=self.root_device)
+            self._engine = ZeroEngine(
+                self.model,
+                optimizers,
+                self.config,
+                self._comm,
+                device=self.root_device,
+                precision=self.precision_plugin.policy(),
+            )
             self.precision_plugin.attach(self._engine)
         else:
             ZeroEngine.broadcast_module_states(self.model, self._comm)
@@ -379,8 +387,7 @@ class ZeroStrategy(ParallelStrategy):
         if self._engine is None:
             self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
             return
-        with self._engine.gathered(write_back=True):
-            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        self._engine.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -85,7 +85,7 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
 
 def check_same_model(metadata: dict[str, Any], current: dict[str, dict[str, Any]], where: str) -> None:
     """Raise unless the checkpoint's tensors have the names, shapes and dtypes of ``current``; name the first
-    difference."""
+    difference. Floating-point dtypes may differ (a run resumed in another precision casts on load)."""
     saved = metadata["tensors"]
     fix = "Load it into the model that saved it, or build this model with the same architecture."
     for name, spec in current.items():
@@ -93,6 +93,8 @@ def check_same_model(metadata: dict[str, Any], current: dict[str, dict[str, Any]
             raise CheckpointError(f"{where} is of a different model: it has no tensor {name!r}. {fix}")
         for field in ("shape", "dtype"):
             theirs, mine = saved[name][field], spec[field]
+            if field == "dtype" and _is_floating(theirs) and _is_floating(mine):
+                continue
             if str(list(theirs) if field == "shape" else theirs) != str(list(mine) if field == "shape" else mine):
                 raise CheckpointError(
                     f"{where} is of a different model: tensor {name!r} has {field} {theirs} there, {mine} here. {fix}"
@@ -100,6 +102,10 @@ def check_same_model(metadata: dict[str, Any], current: dict[str, dict[str, Any]
     extra = [name for name in saved if name not in current]
     if extra:
         raise CheckpointError(f"{where} is of a different model: this model has no tensor {extra[0]!r}. {fix}")
+
+
+def _is_floating(dtype: str) -> bool:
+    return dtype in ("float64", "float32", "bfloat16", "float16")
 
 
 def check_same_optimizers(metadata: dict[str, Any], current: list[list[list[str]]], where: str) -> None:

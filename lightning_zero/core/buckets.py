@@ -41,9 +41,12 @@ class GradBucket(ABC):
     buffer: FlatParamBuffer
     shard_grad: Tensor  # 1D, layout.shard_numel: the averaged gradient of this rank's shard
 
-    def __init__(self, buffer: FlatParamBuffer, comm: Communicator) -> None:
+    def __init__(self, buffer: FlatParamBuffer, comm: Communicator, reduce_dtype: torch.dtype | None = None) -> None:
         self.buffer = buffer
         self.comm = comm
+        # The dtype of the sum across ranks; the held gradient keeps the parameters' (see [Note: mixed-precision
+        # model states]).
+        self.reduce_dtype = reduce_dtype or buffer.data.dtype
         self.locally_used = [False] * len(buffer.params)  # got a gradient here since the last reduction
         self._arrived = [False] * len(buffer.params)  # got a gradient in the current backward pass
         self._missing = len(buffer.params)

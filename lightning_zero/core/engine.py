@@ -13,8 +13,10 @@ The engine knows nothing about Lightning. Its life:
    At the end of a reducing backward the ranks agree on which parameters got gradients and each piece
    receives its slice of the reduced shard as ``grad`` (see [Note: gradient liveness]).
    Stage 3 gathers each unit around its forward and backward (see [Note: stage-3 life of a unit]).
-3. ``clip_grad_norm_`` / ``clip_grad_value_`` if asked, ``optimizer.step()`` by the caller, then
-   ``finish_step(optimizer)``: stages 1 and 2 all-gather the updated parameters; stage 3 gathers
+3. ``prepare_step(optimizer)`` (mixed precision: fp32 gradients for the masters, unscaled, and the
+   agreed overflow check), ``clip_grad_norm_`` / ``clip_grad_value_`` if asked, ``optimizer.step()`` by
+   the caller, then ``finish_step(optimizer)``: the masters are rounded into the shard (see [Note:
+   mixed-precision model states]); stages 1 and 2 all-gather the updated parameters; stage 3 gathers
    them when they are next used.
 """
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,9 +36,10 @@ from torch.optim import Optimizer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.core.buckets import GradBucket, GradReducer
 from lightning_zero.core.comm import CommStats, Communicator, wait_all
-from lightning_zero.core.flat_buffer import FlatParamBuffer
+from lightning_zero.core.flat_buffer import FlatParamBuffer, MasterPiece
 from lightning_zero.core.layout import plan_buckets
 from lightning_zero.core.memory import MemoryReport, tensor_nbytes
+from lightning_zero.core.mixed_precision import PrecisionPolicy
 from lightning_zero.core.optim_state import gather_param_states, is_scalar_state, shard_param_state
 from lightning_zero.core.prefetch import Prefetcher
 from lightning_zero.core.stage1 import FullGradBucket
@@ -65,8 +68,10 @@ class ZeroEngine:
         config: ZeroConfig,
         comm: Communicator,
         device: torch.device | None = None,
+        precision: PrecisionPolicy | None = None,
     ) -> None:
-        """See the module docstring; ``device`` is where sharded tensors live (default: the parameters' device).
+        """See the module docstring; ``device`` is where sharded tensors live (default: the parameters' device);
+        ``precision`` the dtypes held (default: the parameters' own, no master copy).
 
         At stage 3 the module may be on the meta device: each unit is then created on ``device`` and initialised
         with its modules' ``reset_parameters()`` one at a time, so the full model never exists on one rank.
@@ -76,6 +81,7 @@ class ZeroEngine:
         self.module = module
         self.config = config
         self.comm = comm
+        self.policy = precision or PrecisionPolicy()
         # Where sharded tensors and small control tensors (used-flags, norms) live; NCCL needs the GPU.
         self.device = device or next(module.parameters(), torch.empty(0)).device
         self.names = {param: name for name, param in module.named_parameters()}
@@ -86,7 +92,11 @@ class ZeroEngine:
             self.broadcast_module_states(module, comm)
         self.units: list[GatherUnit] = []  # stage 3 only; the root unit last
         self.buffers = self._build_units() if config.stage == 3 else self._build_buckets()
-        self.buckets = [_BUCKET_TYPES[config.stage](b, comm) for b in self.buffers if b.params[0].requires_grad]
+        self._cast_unmanaged_params()
+        bucket_type = _BUCKET_TYPES[config.stage]
+        self.buckets = [
+            bucket_type(b, comm, self.policy.reduce_dtype) for b in self.buffers if b.params[0].requires_grad
+        ]
         self.reducer = GradReducer(
             self.buckets,
             comm,
@@ -159,10 +169,14 @@ class ZeroEngine:
                         [same[i] for i in indices] for indices in plan_buckets([p.numel() for p in same], cap)
                     )
         planned.sort(key=lambda members: order[members[0]])
-        return [FlatParamBuffer(members, self.comm.rank, self.comm.world_size) for members in planned]
+        buffers = [FlatParamBuffer(members, self.comm.rank, self.comm.world_size) for members in planned]
+        for buffer in buffers:  # every stage-1/2 buffer holds parameters that an optimizer updates
+            buffer.set_dtypes(self._cast_dtype(buffer.data.dtype), self.policy.master_dtype)
+        return buffers
 
     def _build_units(self) -> list[FlatParamBuffer]:
         """Stage 3: per gather unit, buffers per (requires_grad, dtype, device), units in reverse order."""
+        optimized = {p for binding in self.bindings for params in binding.groups for p in params}
         unit_modules = select_units(self.module, self.config.wrap_policy)
         assigned = assign_params(self.module, unit_modules)
         materialize_buffers(self.module, self.device)
@@ -178,6 +192,8 @@ class ZeroEngine:
             initialise(self.module, on_meta)
             for buffer in unit_buffers:  # rank 0's values everywhere, whatever each rank's RNG did
                 self.comm.broadcast(buffer.data, src=0)
+                master = self.policy.master_dtype if any(p in optimized for p in buffer.params) else None
+                buffer.set_dtypes(self._cast_dtype(buffer.data.dtype), master)
                 buffer.commit_shard()
             self.units.append(GatherUnit(unit_module, unit_buffers, self.comm, is_root=unit_module is self.module))
             buffers.extend(unit_buffers)
@@ -186,6 +202,19 @@ class ZeroEngine:
                 self.comm.broadcast(tensor, src=0)
         # Backward meets the last units first: reverse registration order approximates it (see [Note: bucket order]).
         return list(reversed(buffers))
+
+    def _cast_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype a floating-point parameter of ``dtype`` is held in (``None``: not cast)."""
+        return self.policy.param_dtype if dtype.is_floating_point else None
+
+    def _cast_unmanaged_params(self) -> None:
+        """Stages 1 and 2: parameters no optimizer holds (frozen ones) are not in a buffer; cast them too."""
+        managed = {p for b in self.buffers for p in b.params}
+        with torch.no_grad():
+            for param in self.module.parameters():
+                dtype = self._cast_dtype(param.dtype)
+                if param not in managed and dtype is not None:
+                    param.data = param.data.to(dtype)
 
     def _unit_of(self, buffer: FlatParamBuffer) -> GatherUnit | None:
         return next((unit for unit in self.units if any(b is buffer for b in unit.buffers)), None)
@@ -225,10 +254,47 @@ class ZeroEngine:
         with self.reducer.no_sync():
             yield
 
-    def finish_step(self, optimizer: Optimizer) -> None:
-        """All-gather the parameters that ``optimizer`` just updated in this rank's shard."""
+    def prepare_step(self, optimizer: Optimizer, loss_scale: float | None = None) -> bool:
+        """Give ``optimizer``'s master pieces fp32 gradients, divided by ``loss_scale``; with a ``loss_scale`` the
+        ranks agree whether any of them holds an inf/NaN. Returns whether the step may run (collective then).
+
+        A no-op without master copies. See [Note: mixed-precision model states].
+        """
+        overflow = torch.zeros((), dtype=torch.uint8, device=self.device)
+        for bucket in self._binding(optimizer).buckets:
+            buffer = bucket.buffer
+            live = [
+                (piece, master_piece)
+                for piece, master_piece in zip(buffer.pieces, buffer.piece_params, strict=True)
+                if isinstance(master_piece, MasterPiece) and master_piece.held_grad is not None
+            ]
+            if not live:
+                continue
+            assert buffer.master is not None
+            flat = torch.empty_like(buffer.master)  # one allocation per bucket; finish_step frees it
+            for piece, master_piece in live:
+                step_grad = FlatParamBuffer.shard_view(flat, piece)
+                step_grad.copy_(master_piece.held_grad)
+                if loss_scale is not None:
+                    step_grad.mul_(1.0 / loss_scale)
+                    overflow |= ~torch.isfinite(step_grad).all()  # no host sync per piece
+                master_piece.step_grad = step_grad
+        if loss_scale is None:
+            return True
+        self.comm.all_reduce(overflow, op="max")
+        return not overflow.item()
+
+    def finish_step(self, optimizer: Optimizer, stepped: bool = True) -> None:
+        """After ``optimizer`` updated this rank's shard (``stepped``): round masters into it and all-gather it
+        (stages 1 and 2). Drops the fp32 step gradients either way."""
         binding = self._binding(optimizer)
-        if self.config.stage < 3:
+        for bucket in binding.buckets:
+            for piece in bucket.buffer.piece_params:
+                if isinstance(piece, MasterPiece):
+                    piece.step_grad = None
+            if stepped:
+                bucket.buffer.master_to_shard()
+        if stepped and self.config.stage < 3:
             works = [self.comm.all_gather(b.buffer.data, b.buffer.shard, async_op=True) for b in binding.buckets]
             wait_all(works)
         self.last_step_comm = self.comm.stats.reset()
@@ -285,24 +351,41 @@ class ZeroEngine:
                 if write_back:
                     unit.write_back()
                 unit.reshard()
+            if write_back:
+                for buffer in self.buffers:
+                    buffer.refresh_master()
 
     def full_state_dict(self, keep: bool) -> dict[str, Tensor]:
-        """The module's ``state_dict`` with full tensors, gathered one unit at a time (collective).
+        """The module's ``state_dict`` with full tensors, gathered one buffer at a time (collective).
 
+        Parameters with a master copy get its values (fp32), so the result resumes a mixed-precision run exactly.
         Only ranks with ``keep`` (e.g. the one that writes the file) collect the tensors; the others hold one
-        gathered unit at a time and get ``{}``. At stages 1 and 2 the parameters are full anyway.
+        gathered buffer at a time and get ``{}``.
         """
         collected: dict[Tensor, Tensor] = {}
-        for unit in self.units:
-            unit.unshard()
+        for buffer in self.buffers:
+            full = buffer.full_values(self.comm)
             if keep:
-                for buffer in unit.buffers:
-                    collected.update((param, param.detach().clone()) for param in buffer.params)
-            unit.reshard()
+                collected.update(zip(buffer.params, (v.clone() for v in buffer.param_views(full)), strict=True))
+            del full
         if not keep:
             return {}
         state = self.module.state_dict(keep_vars=True)
-        return {key: collected.get(value, value).detach().clone() for key, value in state.items()}
+        return {key: collected[value] if value in collected else value.detach().clone() for key, value in state.items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> None:
+        """Load an ordinary (unsharded) ``state_dict`` into the module, its shards and master copies (collective)."""
+        with self.gathered(write_back=True):
+            self.module.load_state_dict(state_dict, strict=strict)
+        with torch.no_grad():  # the masters take the saved values themselves, not their 16-bit rounding
+            for buffer in self.buffers:
+                if buffer.master is None:
+                    continue
+                for piece, param in zip(buffer.pieces, buffer.params, strict=True):
+                    saved = state_dict.get(self.names[param])
+                    if piece.numel and saved is not None:
+                        values = saved.detach().reshape(-1)[piece.start : piece.end]
+                        FlatParamBuffer.shard_view(buffer.master, piece).copy_(values)
 
     def release_full_params(self) -> None:
         """Stage 3: give every parameter its own full tensor again and stop sharding them.
@@ -383,9 +466,20 @@ class ZeroEngine:
         managed = {p for b in self.buffers for p in b.params}
         unmanaged = [p for p in self.module.parameters() if p not in managed]
         params = sum(b.nbytes for b in self.buffers) + sum(tensor_nbytes(p) for p in unmanaged)
+        step_grads = {  # fp32 gradients of the masters exist only during an optimizer step
+            id(p.step_grad.untyped_storage()): p.step_grad.untyped_storage().nbytes()
+            for b in self.buffers
+            for p in b.piece_params
+            if isinstance(p, MasterPiece) and p.step_grad is not None
+        }
         grads = sum(b.nbytes for b in self.buckets) + sum(tensor_nbytes(p.grad) for p in unmanaged)
         states = [v for binding in self.bindings for s in binding.optimizer.state.values() for v in s.values()]
-        return MemoryReport(params=params, gradients=grads, optimizer_states=sum(map(tensor_nbytes, states)))
+        masters = sum(b.master_nbytes for b in self.buffers)  # counted with the optimizer, as in the ZeRO paper
+        return MemoryReport(
+            params=params,
+            gradients=grads + sum(step_grads.values()),
+            optimizer_states=sum(map(tensor_nbytes, states)) + masters,
+        )
 
     # ------------------------------------------------------------------ helpers
     def _binding(self, optimizer: Optimizer) -> _Binding:

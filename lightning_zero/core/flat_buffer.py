@@ -61,6 +61,28 @@ class ShardPiece(nn.Parameter):
         self.owner.requires_grad_(value)
 
 
+class MasterPiece(ShardPiece):
+    """A :class:`ShardPiece` of the fp32 master shard. See [Note: mixed-precision model states].
+
+    Its ``grad`` is the held 16-bit gradient, or during an optimizer step the fp32 ``step_grad`` made from it.
+    Setting ``grad`` (the buckets after a reduction, ``zero_grad``) sets the held gradient and drops the other.
+    """
+
+    def __new__(cls, data: Tensor, owner: nn.Parameter) -> MasterPiece:
+        piece = super().__new__(cls, data, owner)
+        piece.held_grad = None
+        piece.step_grad = None
+        return piece
+
+    @property
+    def grad(self) -> Tensor | None:  # type: ignore[override]
+        return self.step_grad if self.step_grad is not None else self.held_grad
+
+    @grad.setter
+    def grad(self, value: Tensor | None) -> None:
+        self.held_grad, self.step_grad = value, None
+
+
 class FlatParamBuffer:
     """Parameters of one dtype, device and optimizer param group, laid out flat and sharded."""
 
@@ -68,8 +90,9 @@ class FlatParamBuffer:
     params: list[nn.Parameter]
     data: Tensor  # 1D, layout.padded_numel elements; params are views into it (storage freed while sharded)
     shard: Tensor  # 1D, this rank's layout.shard_numel elements (a view of data when it is kept)
+    master: Tensor | None  # 1D copy of the shard in a wider dtype that the optimizer updates (mixed precision)
     pieces: list[Piece]  # per param, its part inside this rank's shard (empty where it has none)
-    piece_params: list[ShardPiece]  # per param, a 1D view of the shard for the optimizer
+    piece_params: list[ShardPiece]  # per param, a 1D view of the shard (or of the master) for the optimizer
 
     def __init__(
         self,
@@ -102,15 +125,61 @@ class FlatParamBuffer:
                     continue
                 view.copy_(param.detach())
                 param.data = view
-        lo, hi = self.layout.shard_bounds(rank)
         self.keep_full = keep_full
-        self.shard = self.data[lo:hi] if keep_full else torch.empty(hi - lo, dtype=dtype, device=device)
         owned = {piece.slot: piece for piece in self.layout.pieces(rank)}
         self.pieces = [owned.get(slot, Piece(slot, 0, 0, 0)) for slot in range(len(self.params))]
+        self.master = None
+        self._make_shard()
+
+    def _make_shard(self) -> None:
+        """The shard (a view of ``data``, or stage 3's own tensor) and the optimizer's pieces of it."""
+        lo, hi = self.layout.shard_bounds(self.rank)
+        data = self.data
+        self.shard = data[lo:hi] if self.keep_full else torch.empty(hi - lo, dtype=data.dtype, device=data.device)
+        source, piece_type = (self.shard, ShardPiece) if self.master is None else (self.master, MasterPiece)
         self.piece_params = [
-            ShardPiece(self.shard_view(self.shard, piece), param)
+            piece_type(self.shard_view(source, piece), param)
             for piece, param in zip(self.pieces, self.params, strict=True)
         ]
+
+    def set_dtypes(self, param_dtype: torch.dtype | None, master_dtype: torch.dtype | None) -> None:
+        """Hold the parameters in ``param_dtype``; with ``master_dtype`` the optimizer gets a copy of the shard in
+        that dtype, taken before the cast. Call before training, while the buffer holds its full values (stage 3:
+        before :meth:`commit_shard`). See [Note: mixed-precision model states]."""
+        if self.state is not ShardedState.GATHERED:
+            raise RuntimeError("set_dtypes needs the full buffer: call it before commit_shard()")
+        lo, hi = self.layout.shard_bounds(self.rank)
+        if master_dtype is not None:
+            self.master = self.data[lo:hi].to(master_dtype, copy=True)
+        if param_dtype is not None and param_dtype != self.data.dtype:
+            self.data = self.data.to(param_dtype)
+            with torch.no_grad():
+                for param, view in zip(self.params, self.param_views(self.data), strict=True):
+                    param.data = view
+        self._make_shard()
+        if not self.keep_full:
+            self.shard.copy_(self.data[lo:hi])
+
+    def master_to_shard(self) -> None:
+        """Round the master (just updated by the optimizer) into the shard."""
+        if self.master is not None:
+            self.shard.copy_(self.master)
+
+    def refresh_master(self) -> None:
+        """Take into the master the shard elements that were changed directly (e.g. by ``load_state_dict``)."""
+        if self.master is not None:
+            changed = self.shard != self.master.to(self.shard.dtype)
+            self.master.copy_(torch.where(changed, self.shard.to(self.master.dtype), self.master))
+
+    def full_values(self, comm: Communicator) -> Tensor:
+        """A new full-size tensor of every element in its best precision: the masters where kept (collective
+        unless the buffer is full and has no master)."""
+        source = self.master if self.master is not None else self.shard
+        if self.master is None and self.keep_full:
+            return self.data.detach().clone()
+        full = torch.empty(self.layout.padded_numel, dtype=source.dtype, device=source.device)
+        comm.all_gather(full, source)
+        return full
 
     @property
     def state(self) -> ShardedState:
@@ -163,3 +232,7 @@ class FlatParamBuffer:
         """Bytes of parameter storage held now: the full buffer, and the shard when it is separate."""
         full = self.data.untyped_storage().nbytes()
         return full + (0 if self.keep_full else self.shard.numel() * self.shard.element_size())
+
+    @property
+    def master_nbytes(self) -> int:
+        return 0 if self.master is None else self.master.numel() * self.master.element_size()

@@ -49,7 +49,7 @@ def gather_param_states(
     """
     # Which parameters have state, their element-wise keys and scalar state: small objects from every rank.
     local = {
-        "tensor_keys": sorted({k for s in piece_states for k, v in s.items() if not is_scalar_state(v)}),
+        "tensor_keys": {k: str(v.dtype) for s in piece_states for k, v in s.items() if not is_scalar_state(v)},
         "scalars": {
             piece.slot: {k: v for k, v in s.items() if is_scalar_state(v)}
             for piece, s in zip(buffer.pieces, piece_states, strict=True)
@@ -61,8 +61,10 @@ def gather_param_states(
     for entry in everyone:
         for slot, values in entry["scalars"].items():
             full.setdefault(slot, dict(values))
-    for key in sorted({key for entry in everyone for key in entry["tensor_keys"]}):
-        shard = torch.zeros_like(buffer.shard)
+    dtypes = {key: dtype for entry in everyone for key, dtype in entry["tensor_keys"].items()}
+    for key in sorted(dtypes):
+        dtype = getattr(torch, dtypes[key].removeprefix("torch."))
+        shard = torch.zeros(buffer.shard.numel(), dtype=dtype, device=buffer.shard.device)
         for piece, state in zip(buffer.pieces, piece_states, strict=True):
             if key in state:
                 FlatParamBuffer.shard_view(shard, piece).copy_(state[key])

@@ -47,8 +47,9 @@ def tensor_specs(engine: ZeroEngine) -> dict[str, dict[str, Any]]:
         for rank in range(buffer.layout.world_size):
             for piece in buffer.layout.pieces(rank):
                 ranges[piece.slot].append([rank, piece.start, piece.end])
+        dtype = buffer.master.dtype if buffer.master is not None else buffer.data.dtype  # masters are saved
         for slot, param in enumerate(buffer.params):
-            specs[engine.names[param]] = _spec(buffer.layout.slots[slot].shape, param.dtype, ranges[slot])
+            specs[engine.names[param]] = _spec(buffer.layout.slots[slot].shape, dtype, ranges[slot])
     for name, tensor in _extras(engine).items():
         specs[name] = _spec(tuple(tensor.shape), tensor.dtype, [[0, 0, tensor.numel()]] if tensor.numel() else [])
     order = {name: index for index, (_, name) in reversed(list(enumerate(state_dict_keys(engine))))}
@@ -80,9 +81,10 @@ def collect_rank_state(engine: ZeroEngine, optimizers: bool = True) -> dict[str,
     params: dict[str, Tensor] = {}
     optimizer_states = []
     for buffer in engine.buffers:
+        source = buffer.master if buffer.master is not None else buffer.shard
         for piece in buffer.pieces:
             if piece.numel:
-                view = FlatParamBuffer.shard_view(buffer.shard, piece)
+                view = FlatParamBuffer.shard_view(source, piece)
                 params[engine.names[buffer.params[piece.slot]]] = view.detach().cpu().clone()
     if engine.comm.rank == 0:
         params.update({name: t.detach().cpu().reshape(-1).clone() for name, t in _extras(engine).items()})
@@ -102,17 +104,19 @@ def collect_rank_state(engine: ZeroEngine, optimizers: bool = True) -> dict[str,
 
 
 def load_params(engine: ZeroEngine, specs: dict[str, dict[str, Any]], read: Reader) -> None:
-    """Fill the parameters (stage 3: this rank's shard; before: every parameter) and the other tensors."""
+    """Fill the parameters (stage 3: this rank's shard; before: every parameter), their master copies and the
+    other tensors. Values are cast to the dtypes held here, so a checkpoint moves between precisions."""
     with torch.no_grad():
         for buffer in engine.buffers:
             for slot, param in enumerate(buffer.params):
-                name = engine.names[param]
+                name, piece = engine.names[param], buffer.pieces[slot]
+                owned = read("params", name, piece.start, piece.end) if piece.numel else None
+                if buffer.master is not None and owned is not None:
+                    FlatParamBuffer.shard_view(buffer.master, piece).copy_(owned)
                 if buffer.keep_full:  # stages 1 and 2: every rank holds every parameter
                     param.data.copy_(read("params", name, 0, param.numel()).view_as(param))
-                    continue
-                piece = buffer.pieces[slot]
-                if piece.numel:
-                    FlatParamBuffer.shard_view(buffer.shard, piece).copy_(read("params", name, piece.start, piece.end))
+                elif owned is not None:
+                    FlatParamBuffer.shard_view(buffer.shard, piece).copy_(owned)
         for name, tensor in _extras(engine).items():
             if tensor.numel():
                 tensor.data.copy_(read("params", name, 0, tensor.numel()).view_as(tensor))

@@ -23,9 +23,11 @@ class FullGradBucket(GradBucket):
 
     full_grad: Tensor  # 1D, layout.padded_numel: local sums; after a reduction, own segment = average
 
-    def __init__(self, buffer: FlatParamBuffer, comm: Communicator) -> None:
-        super().__init__(buffer, comm)
+    def __init__(self, buffer: FlatParamBuffer, comm: Communicator, reduce_dtype: torch.dtype | None = None) -> None:
+        super().__init__(buffer, comm, reduce_dtype)
         self.full_grad = torch.zeros_like(buffer.data)
+        self._staging: Tensor | None = None  # the bucket in reduce_dtype while a reduction in a wider dtype runs
+        self._output: Tensor | None = None
         lo, hi = buffer.layout.shard_bounds(buffer.rank)
         self.shard_grad = self.full_grad[lo:hi]
         self._reduced = False  # own segment holds an averaged result, the rest was sent away
@@ -55,14 +57,24 @@ class FullGradBucket(GradBucket):
     def _start_reduce(self) -> None:
         self._restart_accumulation()
         # Divide before summing, as DDP does, so the result matches it and fp16 sums stay in range.
-        self.full_grad.div_(self.comm.world_size)
-        self._work = self.comm.reduce_scatter(self.shard_grad, self.full_grad, async_op=True)
+        if self.reduce_dtype == self.full_grad.dtype:
+            self.full_grad.div_(self.comm.world_size)
+            self._work = self.comm.reduce_scatter(self.shard_grad, self.full_grad, async_op=True)
+            return
+        self._staging = self.full_grad.to(self.reduce_dtype).div_(self.comm.world_size)
+        self._output = torch.empty(self.shard_grad.numel(), dtype=self.reduce_dtype, device=self.full_grad.device)
+        self._work = self.comm.reduce_scatter(self._output, self._staging, async_op=True)
 
     def _release_staging(self) -> None:
-        """Nothing to free: the full gradient buffer persists by design."""
+        """Free the wide copy of the bucket; the full gradient buffer itself persists by design."""
+        self._staging = None
 
     def _fold_reduction(self, globally_used: Sequence[bool]) -> None:
-        # The reduction already wrote the own segment in place; live gradients were folded in beforehand.
+        # The reduction wrote the own segment (in place, or in reduce_dtype to round into it now); live gradients
+        # were folded in beforehand.
+        if self._output is not None:
+            self.shard_grad.copy_(self._output)
+            self._output = None
         self._reduced = True
         for (piece, param, view), live in zip(self._pieces(), self._live, strict=True):
             param.grad = view if globally_used[piece.slot] or live else None

@@ -24,8 +24,8 @@ class ShardGradBucket(GradBucket):
     staging: Tensor | None  # 1D, layout.padded_numel while the bucket is being filled or reduced
     _output: Tensor | None  # 1D, layout.shard_numel while the reduction is in flight
 
-    def __init__(self, buffer: FlatParamBuffer, comm: Communicator) -> None:
-        super().__init__(buffer, comm)
+    def __init__(self, buffer: FlatParamBuffer, comm: Communicator, reduce_dtype: torch.dtype | None = None) -> None:
+        super().__init__(buffer, comm, reduce_dtype)
         self._shard_grad: Tensor | None = None  # created by the first reduction: evaluation never holds it
         self.staging = None
         self._output = None
@@ -42,7 +42,7 @@ class ShardGradBucket(GradBucket):
     def _staging(self) -> Tensor:
         if self.staging is None:
             shard = self.buffer.shard
-            self.staging = torch.zeros(self.buffer.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+            self.staging = torch.zeros(self.buffer.layout.padded_numel, dtype=self.reduce_dtype, device=shard.device)
         return self.staging
 
     def _start_reduce(self) -> None:
@@ -50,8 +50,14 @@ class ShardGradBucket(GradBucket):
         # Divide before summing, as DDP does, so the result matches it and fp16 sums stay in range.
         staging.div_(self.comm.world_size)
         # When zero_grad emptied every piece (the usual case) the result may land in the shard directly.
-        nothing_live = all(param.grad is None for param in self.buffer.piece_params)
-        self._output = self.shard_grad if nothing_live else torch.empty_like(self.buffer.shard)
+        in_place = self.reduce_dtype == self.buffer.shard.dtype and all(
+            param.grad is None for param in self.buffer.piece_params
+        )
+        self._output = (
+            self.shard_grad
+            if in_place
+            else torch.empty(self.buffer.shard.numel(), dtype=self.reduce_dtype, device=staging.device)
+        )
         self._work = self.comm.reduce_scatter(self._output, staging, async_op=True)
 
     def _release_staging(self) -> None:
@@ -66,6 +72,8 @@ class ShardGradBucket(GradBucket):
             pass  # nothing was live, so the reduction wrote the shard in place
         elif all(globally_used) and all(live):
             self.shard_grad.add_(self._output)
+        elif all(globally_used) and not any(live):
+            self.shard_grad.copy_(self._output)
         else:
             for (piece, _, view), was_live in zip(pieces, live, strict=True):
                 if globally_used[piece.slot]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins import DoublePrecision, MixedPrecision
 
@@ -102,21 +103,39 @@ def _assert_lists_supported(message: str) -> None:
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("how", ["flag", "plugin"])
-def test_bf16_mixed_is_not_built_yet_and_says_what_is(form: str, how: str) -> None:
-    """Part of the contract but tracked in another issue: until built it must refuse clearly, not train in fp32.
-
-    When bf16-mixed lands, this test is to become "bf16-mixed selects ZeroPrecision('bf16-mixed')".
-    """
-    if how == "flag":
-        kwargs: dict[str, object] = {"precision": "bf16-mixed"}
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ({"precision": "32-true"}, "32-true"),
+        ({"precision": "bf16-mixed"}, "bf16-mixed"),
+        ({"precision": "bf16-true"}, "bf16-true"),
+        # On CPU Lightning turns the string "16-mixed" into bf16 for strategies it does not know; fp16 comes as
+        # a MixedPrecision plugin (CONTRACT.md), whose GradScaler settings are kept.
+        ({"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=8.0))]}, "16-mixed"),
+        ({"plugins": [MixedPrecision("bf16-mixed", "cpu")]}, "bf16-mixed"),
+        ({"plugins": [lightning_zero.ZeroPrecision("16-mixed", growth_interval=7)]}, "16-mixed"),
+    ],
+    ids=["32-true", "bf16-mixed", "bf16-true", "16-mixed-plugin", "bf16-mixed-plugin", "zero-plugin"],
+)
+def test_supported_precisions_select_zero_precision(form: str, how: dict[str, object], expected: str) -> None:
+    trainer = _trainer(strategy=FORMS[form](), **how)
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, lightning_zero.ZeroPrecision)
+    assert plugin.precision == expected
+    assert trainer.precision_plugin is plugin
+    if expected == "16-mixed":
+        assert plugin.scaler is not None
+        if "precision" not in how and isinstance(how["plugins"][0], MixedPrecision):  # type: ignore[index]
+            assert plugin.scaler.scale == 8.0
     else:
-        kwargs = {"plugins": [MixedPrecision("bf16-mixed", "cpu")]}
-    with pytest.raises(NotImplementedError) as info:
-        _trainer(strategy=FORMS[form](), **kwargs)
-    message = str(info.value)
-    assert "bf16-mixed" in message
-    assert "32-true" in message, f"the error should name the built precisions: {message}"
+        assert plugin.scaler is None
+
+
+def test_precision_options_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"reduce_dtype='float16' does not fit precision='bf16-mixed'"):
+        lightning_zero.ZeroPrecision("bf16-mixed", reduce_dtype="float16")
+    with pytest.raises(ValueError, match="backoff_factor=2"):
+        lightning_zero.ZeroPrecision("16-mixed", backoff_factor=2)
 
 
 @pytest.mark.parametrize("form", FORMS)
