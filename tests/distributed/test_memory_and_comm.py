@@ -9,25 +9,32 @@ from torch import nn
 from lightning_zero.config import ZeroConfig
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.mixed_precision import PrecisionPolicy
 from tests.distributed.models import TinyLM, batch, loss_fn
 from tests.helpers import run_on_ranks
 
 FP32 = 4
+BF16 = 2
 STAGES = (1, 2, 3)
+BF16_MIXED = PrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, master_dtype=torch.float32)
 
 
-def _one_step(rank: int, stage: int, comm: Communicator) -> dict:
+def _one_step(rank: int, stage: int, comm: Communicator, precision: PrecisionPolicy | None = None) -> dict:
     torch.manual_seed(0)
     model = TinyLM()
     psi = sum(p.numel() for p in model.parameters())  # before sharding: stage 3 frees the full storage at rest
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # At stage 3 every Linear is a gather unit; the embedding is in the root unit.
     config = ZeroConfig(stage=stage, bucket_cap_mb=0.001, wrap_policy={nn.Linear} if stage == 3 else None)
-    engine = ZeroEngine(model, [optimizer], config, comm)
+    engine = ZeroEngine(model, [optimizer], config, comm, precision=precision)
     at_start = engine.memory_report()
     tokens, targets = batch(seed=rank)
-    loss_fn(model, tokens, targets).backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision is not None):
+        loss = loss_fn(model, tokens, targets)
+    loss.backward()
     after_backward = engine.memory_report()
+    engine.prepare_step(optimizer)
+    during_step = engine.memory_report()
     optimizer.step()
     engine.finish_step(optimizer)
     pieces = [p for g in optimizer.param_groups for p in g["params"]]
@@ -41,6 +48,7 @@ def _one_step(rank: int, stage: int, comm: Communicator) -> dict:
         "at_start": at_start.as_dict(),
         "report": engine.memory_report().as_dict(),
         "after_backward": after_backward.as_dict(),
+        "during_step": during_step.as_dict(),
         "elementwise_state": elementwise,
         "scalar_state": engine.memory_report().optimizer_states - elementwise,
         "pieces": len(pieces),
@@ -49,9 +57,11 @@ def _one_step(rank: int, stage: int, comm: Communicator) -> dict:
     }
 
 
-def _all_stages(rank: int, world_size: int) -> dict[int, dict]:
+def _all_stages(rank: int, world_size: int) -> dict:
     comm = Communicator()
-    return {stage: _one_step(rank, stage, comm) for stage in STAGES}
+    results: dict = {stage: _one_step(rank, stage, comm) for stage in STAGES}
+    results.update({f"bf16/{stage}": _one_step(rank, stage, comm, BF16_MIXED) for stage in STAGES})
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +88,35 @@ def test_model_states_match_the_zero_formulas(two_ranks: list[dict[int, dict]], 
         assert r["scalar_state"] == FP32 * r["pieces"]
         formula = {1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]  # fp32 Adam
         assert abs(report["total"] - formula) / formula < 0.05 + FP32 * r["pieces"] / formula
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_bf16_mixed_model_states_match_the_zero_formulas(two_ranks: list[dict], stage: int) -> None:
+    """The ZeRO paper's mixed precision: 2 bytes of parameters and of gradients, 4 of fp32 master + 8 of Adam."""
+    ranks = [per_rank[f"bf16/{stage}"] for per_rank in two_ranks]
+    n = len(ranks)
+    psi, padded = ranks[0]["psi"], ranks[0]["padded"]
+    assert sum(r["elementwise_state"] for r in ranks) == 8 * psi
+    for r in ranks:
+        report = r["report"]
+        assert report["params"] == BF16 * (padded if stage < 3 else padded // n)
+        assert report["gradients"] == BF16 * (padded if stage == 1 else padded // n)
+        # Adam's element-wise state, one `step` per piece, and the fp32 master of the shard.
+        assert report["optimizer_states"] == r["elementwise_state"] + r["scalar_state"]
+        assert r["scalar_state"] == FP32 * r["pieces"] + FP32 * padded // n
+        formula = {1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
+        assert abs(report["total"] - formula) / formula < 0.05 + FP32 * r["pieces"] / formula
+        # During the step the masters' fp32 gradients exist too (4 bytes per shard element); freed after it.
+        assert r["during_step"]["gradients"] == report["gradients"] + FP32 * padded // n
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_bf16_mixed_reduces_in_fp32_by_default(two_ranks: list[dict], stage: int) -> None:
+    for per_rank in two_ranks:
+        r = per_rank[f"bf16/{stage}"]
+        assert r["comm"]["reduce_scatter"] == FP32 * r["padded"]  # fp32 on the wire: see [Note: mixed-precision...]
+        gathered = r["padded"] if stage < 3 else 2 * r["padded"] - r["root_padded"]
+        assert r["comm"]["all_gather"] == BF16 * gathered  # parameters travel in bf16
 
 
 @pytest.mark.parametrize("stage", STAGES)
