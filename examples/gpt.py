@@ -11,6 +11,10 @@ One GPU node with 8 GPUs, ZeRO-3::
     python examples/gpt.py fit --config examples/configs/zero3.yaml \\
         --trainer.accelerator=gpu --trainer.devices=8
 
+Mixed precision (bf16 parameters and gradients, fp32 master shards; on GPUs add the same two flags)::
+
+    python examples/gpt.py fit --config examples/configs/mixed_precision.yaml
+
 Several nodes with torchrun (run on every node, NODE_RANK=0..1)::
 
     torchrun --nnodes=2 --nproc-per-node=8 --node-rank=$NODE_RANK \\

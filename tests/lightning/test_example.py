@@ -12,6 +12,50 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _train_losses(tmp_path: Path, name: str, *configs: str, steps: int) -> list[float]:
+    """Run examples/gpt.py from ``configs`` for ``steps`` steps; return the logged training loss of every step."""
+    save_dir = tmp_path / name
+    command = [sys.executable, "examples/gpt.py", "fit"]
+    for config in configs:
+        command += ["--config", config]
+    command += [
+        f"--trainer.max_steps={steps}",
+        "--trainer.log_every_n_steps=1",
+        f"--trainer.val_check_interval={steps}",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={save_dir}",
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (metrics,) = save_dir.glob("*/version_*/metrics.csv")
+    with metrics.open() as handle:
+        return [float(row["train_loss"]) for row in csv.DictReader(handle) if row.get("train_loss")]
+
+
+# Measured on 30 steps: bf16-mixed within 0.0052 nats of fp32 at every step, fp16 (16-mixed) within 0.0009.
+LOSS_MARGIN = 0.02
+
+
+def test_mixed_precision_yaml_loss_curve_stays_near_fp32(tmp_path: Path) -> None:
+    fp16 = tmp_path / "fp16.yaml"  # on CPU fp16 is asked for with the plugin (see docs/precision.md)
+    fp16.write_text(
+        "trainer:\n  precision: null\n  plugins:\n    - class_path: lightning_zero.ZeroPrecision\n"
+        "      init_args:\n        precision: 16-mixed\n"
+    )
+    mixed = "examples/configs/mixed_precision.yaml"
+    fp32 = _train_losses(tmp_path, "fp32", "examples/configs/zero2.yaml", steps=30)
+    curves = {
+        "bf16-mixed": _train_losses(tmp_path, "bf16", mixed, steps=30),
+        "16-mixed": _train_losses(tmp_path, "fp16", mixed, str(fp16), steps=30),
+    }
+    assert len(fp32) == 30
+    for name, losses in curves.items():
+        assert len(losses) == len(fp32), name
+        gap = max(abs(a - b) for a, b in zip(fp32, losses, strict=True))
+        assert gap <= LOSS_MARGIN, f"{name}: loss curve {gap:.4f} nats from fp32's"
+        assert losses[-1] < losses[0] - 1.5, (name, losses)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_example_trains_from_yaml(tmp_path: Path, stage: int) -> None:
     command = [
