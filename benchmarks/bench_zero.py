@@ -1,10 +1,12 @@
-"""Benchmark: DDP vs lightning-zero stages 1 and 2 on the same GPT, in one run, interleaved.
+"""Benchmark: DDP, lightning-zero stages 1-3 and FSDP2 on one GPT, fp32 and bf16-mixed, in one run, interleaved.
 
 Run on demand (never from the tests), from the repository root with the package installed::
 
     python benchmarks/bench_zero.py                        # ~25M-parameter GPT, 2 gloo ranks
     python benchmarks/bench_zero.py --out benchmarks/out/zero.json
     python benchmarks/bench_zero.py --params 5e6 --steps 5 --warmup 2 --rss-steps 2   # quick smoke run
+    python benchmarks/bench_zero.py --systems ddp,zero2,ddp_bf16,zero2_bf16,zero3_bf16,fsdp2_bf16
+    python benchmarks/bench_zero.py --device cuda          # NCCL, rank r on cuda:r (NOT RUN YET, see below)
 
 What it does
 ------------
@@ -13,7 +15,8 @@ What it does
    start from identical weights, and draws one fixed stream of batches (seed + rank) that every
    system trains on. The systems are *interleaved*: step ``i`` of every system runs in round ``i``,
    and the order inside a round rotates, so machine noise hits all of them alike. Each timed step
-   starts after a barrier; a step's time is the slowest rank's. AdamW, fp32. The core
+   starts after a barrier; a step's time is the slowest rank's. AdamW, in the precision of each system
+   (fp32, or bf16-mixed for the ``*_bf16`` systems). The core
    :class:`~lightning_zero.core.engine.ZeroEngine` is driven directly in a plain PyTorch loop (no
    Trainer), so the numbers measure the sharding, not Lightning.
 2. **Shared machines.** After each round the ranks compare the machine's busy CPU time
@@ -29,20 +32,45 @@ What it does
    heap, where freed memory may stay resident: with it the peak follows live memory instead of the
    allocator's history. Both variants are reported (``--rss-variants``).
 
-Systems: ``ddp`` (``DistributedDataParallel``, ``gradient_as_bucket_view=True``: gradients live in its
-buckets, 16Ψ bytes of model states), ``ddp_copy`` (DDP defaults: a separate bucket copy of the
+Systems, fp32: ``ddp`` (``DistributedDataParallel``, ``gradient_as_bucket_view=True``: gradients live in
+its buckets, 16Ψ bytes of model states), ``ddp_copy`` (DDP defaults: a separate bucket copy of the
 gradients, 4Ψ more that the tensor count does not see), ``zero1``, ``zero2``, ``zero3``, ``fsdp2``, and
 ``zero1_torch`` (DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer`` over AdamW, PyTorch's stage 1).
 
+Systems, bf16-mixed (forward and loss under ``torch.autocast(dtype=torch.bfloat16)``, gradients reduced
+in fp32, AdamW updating fp32 values): ``ddp_bf16`` (as ``ddp``, with fp32 parameters: what Lightning's
+DDP does for ``precision="bf16-mixed"``; 16Ψ), ``zero1_bf16``, ``zero2_bf16``, ``zero3_bf16`` (the
+engine with ``PrecisionPolicy(torch.bfloat16, torch.float32, torch.float32)``: bf16 parameters and
+gradients, fp32 master shards; ``prepare_step`` makes the masters' fp32 gradients) and ``fsdp2_bf16``
+(``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``:
+fp32 shards, gathered in bf16). Each system is compared with the DDP of its own precision: step-time
+ratios with ``ddp_bf16`` (and, as for every system, with ``ddp``), final parameters with ``ddp_bf16``
+(with ``ddp``, said so, if ``ddp_bf16`` is not in the run). ZeRO's parameters there are its fp32
+masters (``engine.full_state_dict(keep=True)``). ``ddp_bf16`` is not the same maths as ``zero*_bf16``
+either: its LayerNorms, embeddings and residual stream stay in fp32, theirs hold bf16 parameters; so
+only the zero*_bf16 systems are bit-equal among themselves.
+
 Reported per system: median step time, its ratio to ``ddp``'s median and the median of the per-round
-ratios, tokens/s, per-phase times and minor page faults per step, per-rank model-state bytes counted
-from the tensors (ZeRO: ``engine.memory_report()``; DDP: param + grad + optimizer-state bytes), the
-ZeRO-paper formula for fp32 Adam (DDP 16Ψ, stage 1 4Ψ+4Ψ+8Ψ/N, stage 2 4Ψ+12Ψ/N; Ψ trainable
-parameters, N ranks) and measured/formula, bytes moved by collectives per step (ZeRO:
-``engine.last_step_comm.nbytes``; DDP: 2 x 4Ψ, the all-reduce of the fp32 gradients counted as in
-[Note: counting communication] of ``lightning_zero/core/comm.py``), RSS per rank (peak, and after
-the last step) and the largest relative parameter difference from ``ddp`` after the run.
-See docs/benchmarks.md for results.
+ratios, the same two against the same-precision DDP, tokens/s, per-phase times and minor page faults
+per step, per-rank model-state bytes counted from the tensors (ZeRO: ``engine.memory_report()``, which
+counts the fp32 masters under optimizer states; DDP and FSDP2: param + grad + optimizer-state bytes),
+the ZeRO-paper formula (fp32 Adam: DDP 16Ψ, stage 1 4Ψ+4Ψ+8Ψ/N, stage 2 4Ψ+12Ψ/N, stage 3 and FSDP2
+16Ψ/N; bf16-mixed, section 3.1: DDP 16Ψ, stage 1 4Ψ+12Ψ/N, stage 2 2Ψ+14Ψ/N, stage 3 16Ψ/N, FSDP2's
+fp32 shards 16Ψ/N; Ψ trainable parameters, N ranks) and measured/formula, bytes moved by collectives
+per step (ZeRO: ``engine.last_step_comm.nbytes``; DDP, ``ddp_bf16`` too: 2 x 4Ψ, the all-reduce of the
+fp32 gradients counted as in [Note: counting communication] of ``lightning_zero/core/comm.py``; FSDP2,
+not measured: 3 x 4Ψ, bf16 2Ψ + 2Ψ + 4Ψ), RSS per rank (peak, and after the last step) and, after the
+run, the largest per-tensor relative parameter difference and the relative L2 difference of all
+parameters from the same-precision DDP. See docs/benchmarks.md for results.
+
+GPUs (``--device cuda``; NOT RUN YET: written and read, never executed, as no GPU was at hand): NCCL for
+the world group and every per-system group, ``torch.cuda.set_device(rank)`` before it starts, models and
+batches on ``cuda:{rank}`` (one node, a GPU per rank), ``torch.cuda.synchronize()`` before every reading of
+the clock in a step (so step and phase times include the GPU work), FSDP2's mesh and autocast on
+``"cuda"``, and the RSS runs also report ``torch.cuda.max_memory_allocated()`` (reset before the system is
+built) as the GPU peak. The ``/proc/stat`` filter still measures the CPUs. All of it lives in the helpers
+under "names and devices" (``device_for``, ``backend_for``, ``sync``, ``now``, ...) and ``bind_device``;
+with ``--device cpu`` (the default) they change nothing.
 """
 
 from __future__ import annotations
@@ -60,7 +88,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -80,10 +108,76 @@ from examples.gpt import DEFAULT_DATA, GPT, GPTConfig, gpt_config_for_params  # 
 from lightning_zero.config import ZeroConfig  # noqa: E402
 from lightning_zero.core.comm import Communicator  # noqa: E402
 from lightning_zero.core.engine import ZeroEngine  # noqa: E402
+from lightning_zero.core.mixed_precision import PrecisionPolicy  # noqa: E402
 
-SYSTEMS = ("ddp", "ddp_copy", "zero1", "zero2", "zero3", "fsdp2", "zero1_torch")
+BF16 = "_bf16"  # suffix of the bf16-mixed systems
+SYSTEMS = (
+    "ddp",
+    "ddp_copy",
+    "zero1",
+    "zero2",
+    "zero3",
+    "fsdp2",
+    "zero1_torch",
+    *(f"{base}{BF16}" for base in ("ddp", "zero1", "zero2", "zero3", "fsdp2")),
+)
 RSS_VARIANTS = {"as-is": {}, "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # process-group backend per --device
 _TIMEOUT_S = 1800
+
+
+# ----------------------------------------------------------------------------- names and devices
+
+
+def is_bf16(name: str) -> bool:
+    return name.endswith(BF16)
+
+
+def base_system(name: str) -> str:
+    """``zero2_bf16`` -> ``zero2``: how the system shards, whatever its precision."""
+    return name.removesuffix(BF16)
+
+
+def same_precision_ddp(name: str) -> str:
+    """The DDP of ``name``'s precision: what its step time and parameters are compared with."""
+    return f"ddp{BF16}" if is_bf16(name) else "ddp"
+
+
+def device_type(args: argparse.Namespace) -> str:
+    return getattr(args, "device", "cpu")  # benchmarks/sweep.py builds systems with a namespace of its own
+
+
+def backend_for(args: argparse.Namespace) -> str:
+    return BACKENDS[device_type(args)]
+
+
+def device_for(rank: int, args: argparse.Namespace) -> torch.device:
+    """Where rank ``rank`` keeps its model and batches: ``cuda:{rank}`` (one node, one GPU per rank) or the CPU."""
+    return torch.device("cuda", rank) if device_type(args) == "cuda" else torch.device("cpu")
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on ``device``: a GPU step is over when its kernels are, not when they are queued."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def now(device: torch.device) -> float:
+    """``time.perf_counter()`` after the work queued on ``device`` is done; every step time is read with it."""
+    sync(device)
+    return time.perf_counter()
+
+
+def reset_accelerator_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def accelerator_bytes(device: torch.device, peak: bool) -> int | None:
+    """``torch.cuda.max_memory_allocated`` (``peak``) or ``memory_allocated``; ``None`` on the CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) if peak else torch.cuda.memory_allocated(device)
 
 
 # ----------------------------------------------------------------------------- systems
@@ -108,10 +202,26 @@ def tensor_bytes(tensors: Any) -> int:
 
 
 class System:
-    """One way of training the GPT; ``step`` runs one optimizer step and returns its phase times."""
+    """One way of training the GPT; ``step`` runs one optimizer step and returns its phase times.
+
+    Systems named ``*_bf16`` run their forward (and loss) under ``torch.autocast(dtype=torch.bfloat16)``.
+    """
 
     name: str
     model: nn.Module  # the GPT itself (not a wrapper)
+    optimizer: Any
+    device: torch.device  # where the model and the batches live
+    autocast_cache = True  # torch.autocast's default, as Lightning's MixedPrecision
+
+    def _setup(self, name: str, args: argparse.Namespace) -> None:
+        self.name = name
+        self.bf16 = is_bf16(name)
+        self.device = device_for(dist.get_rank(), args)
+
+    def forward_context(self) -> AbstractContextManager:
+        if not self.bf16:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=self.autocast_cache)
 
     def step(self, x: Tensor, y: Tensor) -> dict[str, float]:
         raise NotImplementedError
@@ -132,31 +242,42 @@ def _loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
 
-def _timed_step(model: nn.Module, optimizer: Any, x: Tensor, y: Tensor) -> dict[str, float]:
+def _timed_step(system: System, model: nn.Module, x: Tensor, y: Tensor) -> dict[str, float]:
     """zero_grad, forward, backward and step of a system whose wrapper does all its communication itself."""
-    t0 = time.perf_counter()
+    device, optimizer = system.device, system.optimizer
+    t0 = now(device)
     optimizer.zero_grad()
-    loss = _loss(model, x, y)
-    t1 = time.perf_counter()
+    with system.forward_context():
+        loss = _loss(model, x, y)
+    t1 = now(device)
     loss.backward()
-    t2 = time.perf_counter()
+    t2 = now(device)
     optimizer.step()
-    t3 = time.perf_counter()
+    t3 = now(device)
     return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
 
 
 class DDPSystem(System):
+    """``ddp``, ``ddp_bf16`` (``gradient_as_bucket_view=True``) and ``ddp_copy`` (DDP's defaults).
+
+    ``ddp_bf16`` is what Lightning's DDP does for ``precision="bf16-mixed"``: fp32 parameters, gradients and
+    AdamW states, the forward under bf16 autocast, and the fp32 gradients all-reduced.
+    """
+
     def __init__(self, name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> None:
-        self.name = name
-        self.model = make_model(cfg, args.seed)
+        self._setup(name, args)
+        self.model = make_model(cfg, args.seed).to(self.device)
         self.ddp = DistributedDataParallel(
-            self.model, process_group=group, gradient_as_bucket_view=(name == "ddp"), bucket_cap_mb=args.bucket_cap_mb
+            self.model,
+            process_group=group,
+            gradient_as_bucket_view=(base_system(name) == "ddp"),
+            bucket_cap_mb=args.bucket_cap_mb,
         )
         self.optimizer = make_adamw(self.model, args.lr)
         self.numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def step(self, x: Tensor, y: Tensor) -> dict[str, float]:
-        return _timed_step(self.ddp, self.optimizer, x, y)  # the all-reduce overlaps backward, waited at its end
+        return _timed_step(self, self.ddp, x, y)  # the all-reduce overlaps backward, waited at its end
 
     def memory(self) -> dict[str, int]:
         params = list(self.model.parameters())
@@ -168,7 +289,8 @@ class DDPSystem(System):
         }
 
     def comm_bytes(self) -> int:
-        # [Note: counting communication]: an all-reduce of a 4Ψ-byte fp32 buffer counts 2 x 4Ψ.
+        # [Note: counting communication]: an all-reduce of a 4Ψ-byte fp32 buffer counts 2 x 4Ψ (also ddp_bf16,
+        # whose gradients are fp32).
         return 2 * 4 * self.numel
 
 
@@ -183,8 +305,8 @@ class TorchZero1System(DDPSystem):
     def __init__(self, name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        self.name = name
-        self.model = make_model(cfg, args.seed)
+        self._setup(name, args)
+        self.model = make_model(cfg, args.seed).to(self.device)
         self.ddp = DistributedDataParallel(
             self.model, process_group=group, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb
         )
@@ -217,66 +339,88 @@ class TorchZero1System(DDPSystem):
 
 
 class ZeroSystem(System):
+    """``zero1``-``zero3`` (fp32) and ``zero1_bf16``-``zero3_bf16``: the engine with
+    ``PrecisionPolicy(bfloat16, float32, float32)`` (bf16 parameters and gradients, gradients reduced in fp32,
+    fp32 masters), the forward under bf16 autocast as ``ZeroPrecision("bf16-mixed")`` runs it."""
+
+    autocast_cache = False  # as ZeroPrecision.forward_context
+
     def __init__(self, name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> None:
-        self.name = name
-        self.model = make_model(cfg, args.seed)
+        self._setup(name, args)
+        self.model = make_model(cfg, args.seed).to(self.device)
         self.optimizer = make_adamw(self.model, args.lr)
-        config = ZeroConfig(stage=int(name[-1]), bucket_cap_mb=args.bucket_cap_mb)
-        self.engine = ZeroEngine(self.model, [self.optimizer], config, Communicator(group))
+        config = ZeroConfig(stage=int(base_system(name)[-1]), bucket_cap_mb=args.bucket_cap_mb)
+        self.policy = PrecisionPolicy(torch.bfloat16, torch.float32, torch.float32) if self.bf16 else None
+        self.engine = ZeroEngine(
+            self.model, [self.optimizer], config, Communicator(group), device=self.device, precision=self.policy
+        )
         self.last_comm: dict[str, Any] = {}
-        self.has_prepare = hasattr(self.engine, "prepare_step")
 
     def step(self, x: Tensor, y: Tensor) -> dict[str, float]:
-        t0 = time.perf_counter()
+        device = self.device
+        t0 = now(device)
         self.optimizer.zero_grad()
-        loss = _loss(self.model, x, y)
-        t1 = time.perf_counter()
+        with self.forward_context():
+            loss = _loss(self.model, x, y)
+        t1 = now(device)
         loss.backward()  # hooks fill the buckets; reduce-scatters overlap backward and are waited for at its end
-        t2 = time.perf_counter()
-        if self.has_prepare:  # older engines: agree on the used-mask and hand the shards over here
-            self.engine.prepare_step(self.optimizer)
-        t3 = time.perf_counter()
+        t2 = now(device)
+        self.engine.prepare_step(self.optimizer)  # bf16: fp32 gradients for the masters; fp32: a no-op
+        t3 = now(device)
         self.optimizer.step()
-        t4 = time.perf_counter()
+        t4 = now(device)
         self.engine.finish_step(self.optimizer)  # all-gather of the updated parameters
-        t5 = time.perf_counter()
+        t5 = now(device)
         stats = self.engine.last_step_comm
         self.last_comm = {"nbytes": stats.nbytes, "calls": stats.calls, "by_op": dict(stats.by_op)}
-        phases = {"forward": t1 - t0, "backward": t2 - t1, "prepare_step": t3 - t2}
-        if not self.has_prepare:
-            del phases["prepare_step"]
-        return {**phases, "optimizer": t4 - t3, "finish_step": t5 - t4}
+        return {
+            "forward": t1 - t0,
+            "backward": t2 - t1,
+            "prepare_step": t3 - t2,
+            "optimizer": t4 - t3,
+            "finish_step": t5 - t4,
+        }
 
     def memory(self) -> dict[str, int]:
-        report = self.engine.memory_report()
+        report = self.engine.memory_report()  # bf16: the fp32 masters are counted under optimizer_states
         return {"params": report.params, "gradients": report.gradients, "optimizer_states": report.optimizer_states}
 
     def comm_bytes(self) -> int:
         return self.last_comm["nbytes"]
 
     def full_state(self) -> dict[str, Tensor]:
-        with self.engine.gathered():  # stage 3 holds shards only; a no-op for stages 1 and 2
-            return super().full_state()
+        if self.policy is None:
+            with self.engine.gathered():  # stage 3 holds shards only; a no-op for stages 1 and 2
+                return super().full_state()
+        # bf16: the fp32 masters, which the optimizer updates (the module holds their bf16 rounding).
+        state = self.engine.full_state_dict(keep=True)  # a collective; every rank keeps the result
+        return {name: state[name] for name, _ in self.model.named_parameters()}  # the tied lm_head once
 
 
 class FSDP2System(System):
-    """PyTorch FSDP2: ``fully_shard`` per transformer block and on the root, the same units as zero3's default."""
+    """PyTorch FSDP2: ``fully_shard`` per transformer block and on the root, the same units as zero3's default.
+
+    ``fsdp2_bf16``: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (fp32 sharded
+    parameters, gathered and computed in bf16, gradients reduced in fp32) and the forward under bf16 autocast.
+    """
 
     def __init__(self, name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> None:
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        self.name = name
-        self.model = make_model(cfg, args.seed)
-        mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+        self._setup(name, args)
+        self.model = make_model(cfg, args.seed).to(self.device)
+        mesh = DeviceMesh.from_group(group or dist.group.WORLD, self.device.type)
+        dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if self.bf16 else {}
+        mp_policy = MixedPrecisionPolicy(**dtypes)  # no dtypes: the default policy, plain fp32
         for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(self.model, mesh=mesh, mp_policy=mp_policy)
         self.optimizer = make_adamw(self.model, args.lr)
         self.numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def step(self, x: Tensor, y: Tensor) -> dict[str, float]:
-        return _timed_step(self.model, self.optimizer, x, y)
+        return _timed_step(self, self.model, x, y)
 
     def memory(self) -> dict[str, int]:
         params = list(self.model.parameters())
@@ -288,29 +432,39 @@ class FSDP2System(System):
         }
 
     def comm_bytes(self) -> int:
-        # Not measured: forward all-gather, backward all-gather and reduce-scatter, 4Ψ bytes each (ZeRO paper).
-        return 3 * 4 * self.numel
+        # Not measured: forward all-gather and backward all-gather of the parameters (4Ψ bytes each, bf16: 2Ψ)
+        # and the reduce-scatter of the gradients (4Ψ, fp32 in both), as in the ZeRO paper.
+        gathered = 2 if self.bf16 else 4
+        return (2 * gathered + 4) * self.numel
 
     def full_state(self) -> dict[str, Tensor]:
         return {name: p.full_tensor().detach().clone() for name, p in self.model.named_parameters()}
 
 
 def build_system(name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> System:
-    if name.startswith("ddp"):
+    base = base_system(name)
+    if base.startswith("ddp"):
         return DDPSystem(name, cfg, args, group)
-    if name == "zero1_torch":
+    if base == "zero1_torch":
         return TorchZero1System(name, cfg, args, group)
-    return FSDP2System(name, cfg, args, group) if name == "fsdp2" else ZeroSystem(name, cfg, args, group)
+    return FSDP2System(name, cfg, args, group) if base == "fsdp2" else ZeroSystem(name, cfg, args, group)
 
 
 def formula_bytes(name: str, numel: int, world_size: int) -> float:
-    """Model-state bytes per rank for fp32 AdamW in the ZeRO paper's accounting."""
+    """Model-state bytes per rank for AdamW in the ZeRO paper's accounting (fp32; bf16-mixed: section 3.1)."""
     psi, n = numel, world_size
-    if name.startswith("ddp"):
+    base = base_system(name)
+    if base.startswith("ddp"):  # ddp_bf16 too: fp32 parameters, gradients and AdamW states
         return 16 * psi
-    if name in ("zero1", "zero1_torch"):  # zero1_torch shards whole tensors: near, not exactly, 8Ψ/N
+    if is_bf16(name):  # bf16 parameters (2) and gradients (2); fp32 master (4) and AdamW states (8)
+        if base == "zero1":
+            return 2 * psi + 2 * psi + 12 * psi / n
+        if base == "zero2":
+            return 2 * psi + 14 * psi / n
+        return 16 * psi / n  # zero3_bf16; fsdp2_bf16, whose persistent states are fp32 shards (4 + 4 + 8)
+    if base in ("zero1", "zero1_torch"):  # zero1_torch shards whole tensors: near, not exactly, 8Ψ/N
         return 4 * psi + 4 * psi + 8 * psi / n
-    if name == "zero2":
+    if base == "zero2":
         return 4 * psi + 12 * psi / n
     return 16 * psi / n  # zero3, fsdp2
 
@@ -323,13 +477,15 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
 
 
 def batch_stream(args: argparse.Namespace, rank: int) -> Iterator[tuple[Tensor, Tensor]]:
-    """Random windows of the corpus, ``(x, y)`` with ``y`` shifted by one; a fixed stream per rank (seed + rank)."""
+    """Random windows of the corpus, ``(x, y)`` with ``y`` shifted by one; a fixed stream per rank (seed + rank),
+    drawn on the CPU and placed on the rank's device."""
     data = torch.frombuffer(bytearray(Path(args.data).read_bytes()), dtype=torch.uint8).long()
     generator = torch.Generator().manual_seed(args.seed + rank)
+    device = device_for(rank, args)
     while True:
         starts = torch.randint(0, data.numel() - args.block_size - 1, (args.batch_size,), generator=generator)
         chunk = torch.stack([data[s : s + args.block_size + 1] for s in starts.tolist()])
-        yield chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+        yield chunk[:, :-1].contiguous().to(device), chunk[:, 1:].contiguous().to(device)
 
 
 def _cpus() -> int:
@@ -371,10 +527,11 @@ def timing_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[st
     """
     cfg = model_config(args)
     names = list(args.systems)
+    device = device_for(rank, args)
     batches = batch_stream(args, rank)
     systems = {}
     for name in names:  # one process group each, created in the same order on every rank
-        systems[name] = build_system(name, cfg, args, dist.new_group(backend="gloo"))
+        systems[name] = build_system(name, cfg, args, dist.new_group(backend=backend_for(args)))
     reference = systems[names[0]].full_state()
     for name in names[1:]:  # identical starting weights
         for key, value in systems[name].full_state().items():
@@ -393,44 +550,61 @@ def timing_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[st
         for name in names[index % len(names) :] + names[: index % len(names)]:  # the order rotates every round
             dist.barrier()
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            start = time.perf_counter()
+            start = now(device)
             phases[name].append(systems[name].step(x, y))
-            times[name].append(time.perf_counter() - start)
+            times[name].append(now(device) - start)
             page_faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
-        load.append(foreign_share_since(*mark))
+        load.append(foreign_share_since(*mark, device=device))
         clean += index >= args.warmup and load[-1] <= args.max_foreign
 
     result: dict[str, Any] = {"times": times, "phases": phases, "page_faults": page_faults, "load": load, "systems": {}}
-    base = systems["ddp"].full_state() if "ddp" in systems else None
+    bases = {ref: systems[ref].full_state() for ref in ("ddp", f"ddp{BF16}") if ref in systems}  # not collectives
     for name, system in systems.items():
-        full = system.full_state()
+        full = system.full_state()  # a collective for the sharded systems: every rank, in the same order
+        reference = diff_reference(name, names)
         entry: dict[str, Any] = {
             "memory": system.memory(),
             "comm_nbytes": system.comm_bytes(),
             "comm_detail": getattr(system, "last_comm", None),
             "numel": sum(t.numel() for t in full.values()),
+            "param_diff_reference": reference,
         }
-        if base is not None:
-            entry.update(parameter_gap(full, base))
+        if reference is not None:
+            entry.update(parameter_gap(full, bases[reference]))
         result["systems"][name] = entry
     result["combined_peak_rss"] = peak_rss_bytes()
     return result
 
 
-def foreign_share_since(wall: float, busy: float, own: float) -> float:
-    """Share of the CPUs that other processes used since the mark (collective: rank 0's verdict for all)."""
+def diff_reference(name: str, names: list[str]) -> str | None:
+    """The DDP whose final parameters ``name``'s are compared with: the same precision's if it ran, else ``ddp``."""
+    return next((ref for ref in (same_precision_ddp(name), "ddp") if ref in names), None)
+
+
+def foreign_share_since(wall: float, busy: float, own: float, device: torch.device) -> float:
+    """Share of the CPUs that other processes used since the mark (collective: rank 0's verdict for all).
+
+    The tensors live on ``device``: the world group is NCCL's with ``--device cuda``.
+    """
     dist.barrier()
-    own_total = torch.tensor([time.process_time() - own], dtype=torch.float64)
+    own_total = torch.tensor([time.process_time() - own], dtype=torch.float64, device=device)
     dist.all_reduce(own_total)  # every rank's CPU time (all its threads)
     foreign = max(0.0, machine_busy_s() - busy - own_total.item())
-    share = torch.tensor([foreign / ((time.perf_counter() - wall) * _cpus())], dtype=torch.float64)
+    share = torch.tensor([foreign / ((time.perf_counter() - wall) * _cpus())], dtype=torch.float64, device=device)
     dist.broadcast(share, src=0)
     return share.item()
 
 
 def parameter_gap(state: dict[str, Tensor], base: dict[str, Tensor]) -> dict[str, Any]:
-    """max over tensors of max|a - b| / max|b|, the largest absolute gap, and whether all are bit-equal."""
+    """max over tensors of max|a - b| / max|b|, the largest absolute gap, whether all are bit-equal, and
+    ||a - b|| / ||b|| over all parameters together.
+
+    The per-tensor maximum is at the mercy of tensors that start at zero (biases): after a few steps they hold
+    about steps x lr, and where their gradient is only rounding noise (the attention's key bias, whose true
+    gradient is zero) Adam's normalised steps go either way. The global norm ratio is not.
+    """
     rel, absolute, equal = 0.0, 0.0, True
+    diff_sq, base_sq = 0.0, 0.0
     assert list(state) == list(base)
     for name, a in state.items():
         b = base[name]
@@ -438,26 +612,42 @@ def parameter_gap(state: dict[str, Tensor], base: dict[str, Tensor]) -> dict[str
         absolute = max(absolute, gap)
         rel = max(rel, gap / max(b.detach().abs().max().item(), 1e-30))
         equal = equal and torch.equal(a, b)
-    return {"max_rel_param_diff": rel, "max_abs_param_diff": absolute, "bitwise_equal": equal}
+        diff_sq += (a.detach().double() - b.detach().double()).square().sum().item()
+        base_sq += b.detach().double().square().sum().item()
+    return {
+        "max_rel_param_diff": rel,
+        "max_abs_param_diff": absolute,
+        "bitwise_equal": equal,
+        "rel_l2_param_diff": (diff_sq / max(base_sq, 1e-300)) ** 0.5,
+    }
 
 
 def rss_rank(rank: int, world_size: int, args: argparse.Namespace, name: str) -> dict[str, Any]:
-    """Only ``name`` in this process: baseline RSS, then peak RSS over ``--rss-steps`` steps."""
+    """Only ``name`` in this process: baseline RSS, then peak RSS over ``--rss-steps`` steps.
+
+    With ``--device cuda`` also the peak of ``torch.cuda.max_memory_allocated`` over the same span (``None`` on the
+    CPU), and the allocated bytes at the baseline (the batches).
+    """
     cfg = model_config(args)
+    device = device_for(rank, args)
     stream = batch_stream(args, rank)
     batches = [next(stream) for _ in range(args.rss_steps)]
     baseline = current_rss_bytes()
+    reset_accelerator_peak(device)
+    baseline_accelerator = accelerator_bytes(device, peak=False)
     system = build_system(name, cfg, args, None)
     times = []
     for x, y in batches:
         dist.barrier()
-        start = time.perf_counter()
+        start = now(device)
         system.step(x, y)
-        times.append(time.perf_counter() - start)
+        times.append(now(device) - start)
     return {
         "baseline_rss": baseline,
         "peak_rss": peak_rss_bytes(),
         "end_rss": current_rss_bytes(),
+        "baseline_accelerator": baseline_accelerator,
+        "peak_accelerator": accelerator_bytes(device, peak=True),
         "times": times,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
     }
@@ -478,11 +668,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, threads, args, queue) -> None:
+def _worker(fn, rank, world_size, port, threads, args, queue, device_type) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=_TIMEOUT_S))
+        bind_device(rank, device_type)
+        dist.init_process_group(
+            BACKENDS[device_type], rank=rank, world_size=world_size, timeout=timedelta(seconds=_TIMEOUT_S)
+        )
         result = fn(rank, world_size, *args)
         payload = io.BytesIO()
         torch.save(result, payload)
@@ -492,6 +685,12 @@ def _worker(fn, rank, world_size, port, threads, args, queue) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def bind_device(rank: int, device_type: str) -> None:
+    """``cuda``: make ``cuda:{rank}`` this process's current device before NCCL starts (one node, a GPU per rank)."""
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
 
 
 @contextmanager
@@ -508,13 +707,16 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def run_on_ranks(fn: Any, world_size: int, threads: int, *args: Any, env: dict[str, str] | None = None) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on freshly spawned ranks, with ``env`` added to their environment."""
+def run_on_ranks(
+    fn: Any, world_size: int, threads: int, *args: Any, env: dict[str, str] | None = None, device_type: str = "cpu"
+) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on freshly spawned ranks, with ``env`` added to their environment; the world
+    group is gloo's (``device_type="cpu"``) or NCCL's (``"cuda"``, rank ``r`` on ``cuda:r``)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, rank, world_size, port, threads, args, queue))
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, threads, args, queue, device_type))
         for rank in range(world_size)
     ]
     with _environment(env or {}):  # spawned interpreters inherit it; glibc reads MALLOC_* at their start
@@ -605,16 +807,53 @@ def summarize(args: argparse.Namespace, timing: list[dict[str, Any]], rss: dict[
             "max_rel_param_diff": max(r["systems"][name].get("max_rel_param_diff", float("nan")) for r in timing),
             "max_abs_param_diff": max(r["systems"][name].get("max_abs_param_diff", float("nan")) for r in timing),
             "bitwise_equal": all(r["systems"][name].get("bitwise_equal", False) for r in timing),
+            "rel_l2_param_diff": max(r["systems"][name].get("rel_l2_param_diff", float("nan")) for r in timing),
+            "param_diff_reference": info["param_diff_reference"],
+            "precision": "bf16-mixed" if is_bf16(name) else "fp32",
             "numel": info["numel"],
             "rss": {variant: per_system[name] for variant, per_system in rss.items() if name in per_system},
         }
     if "ddp" in summary:
         for name in names:
-            summary[name]["ratio_to_ddp"] = summary[name]["step_ms_median"] / summary["ddp"]["step_ms_median"]
-            # Robust to slow drifts of machine speed: the ratio within each round, then the median.
-            paired = [a / b for a, b in zip(summary[name]["step_ms_all"], summary["ddp"]["step_ms_all"], strict=True)]
-            summary[name]["paired_ratio_median"] = statistics.median(paired)
+            ratio, paired = step_ratios(summary, name, "ddp")
+            summary[name]["ratio_to_ddp"] = ratio
+            summary[name]["paired_ratio_median"] = paired
+    for name in names:  # bf16 systems against ddp_bf16, fp32 ones against ddp (then the same as above)
+        reference = same_precision_ddp(name)
+        if reference in summary:
+            ratio, paired = step_ratios(summary, name, reference)
+            summary[name]["same_precision_ddp"] = reference
+            summary[name]["ratio_to_same_precision_ddp"] = ratio
+            summary[name]["paired_ratio_same_precision_ddp"] = paired
     return summary
+
+
+def step_ratios(summary: dict[str, Any], name: str, reference: str) -> tuple[float, float]:
+    """``name``'s median step / ``reference``'s, and the median over rounds of the ratio within each round."""
+    ratio = summary[name]["step_ms_median"] / summary[reference]["step_ms_median"]
+    # Robust to slow drifts of machine speed: the ratio within each round, then the median.
+    paired = [a / b for a, b in zip(summary[name]["step_ms_all"], summary[reference]["step_ms_all"], strict=True)]
+    return ratio, statistics.median(paired)
+
+
+def diff_cell(name: str, s: dict[str, Any]) -> str:
+    """The parameter-difference cell: against the same-precision DDP, else against ``ddp`` (said so)."""
+    reference = s["param_diff_reference"]
+    if name == reference:
+        return "(reference)"
+    cell = f"{s['max_rel_param_diff']:.1e}" + (" (bit-equal)" if s["bitwise_equal"] else "")
+    if reference is not None and reference != same_precision_ddp(name):
+        cell += f" (vs {reference}: {same_precision_ddp(name)} did not run)"
+    return cell
+
+
+def precision_text(names: list[str]) -> str:
+    """Which systems train in which precision, for the header line."""
+    groups = {
+        "fp32": [name for name in names if not is_bf16(name)],
+        "bf16-mixed": [name for name in names if is_bf16(name)],
+    }
+    return "; ".join(f"{label}: {', '.join(members)}" for label, members in groups.items() if members)
 
 
 def mib(nbytes: float) -> str:
@@ -626,8 +865,10 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], combined_rss: li
     rounds = summary["_rounds"]
     numel = summary[names[0]]["numel"]
     lines = [
-        f"GPT {numel / 1e6:.2f}M trainable parameters (Ψ = {numel:,}), N = {args.world_size} gloo ranks, "
-        f"batch {args.batch_size} x block {args.block_size} per rank, AdamW fp32, "
+        f"GPT {numel / 1e6:.2f}M trainable parameters (Ψ = {numel:,}), N = {args.world_size} {backend_for(args)} "
+        f"ranks{' on cuda:0-' + str(args.world_size - 1) if device_type(args) == 'cuda' else ''}, "
+        f"batch {args.batch_size} x block {args.block_size} per rank, AdamW, precision per system "
+        f"({precision_text(names)}), "
         f"{args.warmup} warmup + {rounds['measured_rounds']} measured rounds of one step per system, interleaved; "
         "statistics over "
         + (
@@ -637,32 +878,49 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], combined_rss: li
             else f"all of them (only {len(rounds['clean_rounds'])} were free of other load: NOISY)."
         ),
         "",
-        "| system | median step ms (min-max) | vs ddp | paired | tokens/s | params MiB | grads MiB | optim MiB "
-        "| total MiB | formula MiB | measured/formula | comm MiB/step | max rel param diff vs ddp |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| system | median step ms (min-max) | vs ddp | paired | vs same-precision ddp (paired) | tokens/s "
+        "| params MiB | grads MiB | optim MiB | total MiB | formula MiB | measured/formula | comm MiB/step "
+        "| max rel param diff vs same-precision ddp | rel L2 param diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    nan = float("nan")
     for name in names:
         s = summary[name]
         mem = max(s["model_state_bytes_per_rank"], key=lambda m: sum(m.values()))
-        diff = (
-            "(reference)"
-            if name == "ddp"
-            else f"{s['max_rel_param_diff']:.1e}" + (" (bit-equal)" if s["bitwise_equal"] else "")
+        same = (
+            f"{s['ratio_to_same_precision_ddp']:.3f}x ({s['paired_ratio_same_precision_ddp']:.3f}x)"
+            if "ratio_to_same_precision_ddp" in s
+            else "-"
         )
         lines.append(
             f"| {name} | {s['step_ms_median']:.0f} ({s['step_ms_min']:.0f}-{s['step_ms_max']:.0f}) "
-            f"| {s.get('ratio_to_ddp', float('nan')):.3f}x | {s.get('paired_ratio_median', float('nan')):.3f}x "
+            f"| {s.get('ratio_to_ddp', nan):.3f}x | {s.get('paired_ratio_median', nan):.3f}x "
+            f"| {same} "
             f"| {s['tokens_per_s']:.0f} "
             f"| {mib(mem['params'])} | {mib(mem['gradients'])} | {mib(mem['optimizer_states'])} "
             f"| {mib(s['model_state_total_max_rank'])} | {mib(s['formula_bytes'])} | {s['measured_over_formula']:.4f} "
-            f"| {mib(max(s['comm_bytes_per_step']))} | {diff} |"
+            f"| {mib(max(s['comm_bytes_per_step']))} | {diff_cell(name, s)} "
+            f"| {'-' if name == s['param_diff_reference'] else format(s['rel_l2_param_diff'], '.1e')} |"
         )
     lines += [
         "",
         "vs ddp = median step / ddp's median step; paired = median over rounds of step / ddp's step in the same "
-        f"round. Other processes used {load['foreign_cpu_s']:.0f} CPU-s during the {load['wall_s']:.0f} s timing "
-        f"run ({100 * load['foreign_share']:.0f}% of the machine).",
+        "round; vs same-precision ddp: the same against ddp_bf16 for the bf16-mixed systems (against ddp for the fp32 "
+        f"ones). Other processes used {load['foreign_cpu_s']:.0f} CPU-s during the {load['wall_s']:.0f} s timing "
+        f"run ({100 * load['foreign_share']:.0f}% of the machine). Param diffs after the run: max rel = the largest "
+        "max|a - b| / max|b| of any tensor (zero-initialised biases dominate it once results are not bit-equal); "
+        "rel L2 = ||a - b|| / ||b|| over all parameters.",
     ]
+    if any(is_bf16(name) for name in names):
+        lines += [
+            "",
+            "bf16-mixed: the forward and loss under bf16 autocast; gradients reduced in fp32; AdamW updates fp32 "
+            'values. ddp_bf16: fp32 parameters and gradients (Lightning\'s DDP with precision="bf16-mixed"); '
+            "zero*_bf16: bf16 parameters and gradients and fp32 master shards, counted under optim "
+            "(PrecisionPolicy(bf16, fp32, fp32)); fsdp2_bf16: fp32 shards gathered in bf16 "
+            "(MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)). Their parameters after the run "
+            "(ZeRO: the fp32 masters) are compared with ddp_bf16's.",
+        ]
     lines += ["", "Median phase times per step (ms, slowest rank):", ""]
     phase_names = list(dict.fromkeys(p for name in names for p in summary[name]["phase_ms_median"]))
     lines += [
@@ -681,7 +939,8 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], combined_rss: li
         f"Peak RSS of the timing run (all systems live in each process): "
         f"{' / '.join(mib(b) for b in combined_rss)} MiB per rank.",
         "Comm: ZeRO = engine.last_step_comm.nbytes; DDP = 2 x 4Ψ (its fp32 gradient all-reduce, counted as in "
-        "[Note: counting communication] of lightning_zero/core/comm.py).",
+        "[Note: counting communication] of lightning_zero/core/comm.py; ddp_bf16 too); FSDP2 not measured: "
+        "3 x 4Ψ (fsdp2_bf16: 2Ψ + 2Ψ + 4Ψ, the bf16 all-gathers and the fp32 reduce-scatter).",
     ]
     return "\n".join(lines)
 
@@ -691,14 +950,16 @@ def rss_table(args: argparse.Namespace, summary: dict[str, Any], names: list[str
     rows = [(name, variant, summary[name]["rss"][variant]) for name in names for variant in summary[name]["rss"]]
     if not rows:
         return []
+    gpu = device_type(args) == "cuda"  # the peak accelerator memory of the same runs, in one more column
     lines = [
         "",
         f"RSS per rank, MiB (rank 0 / rank 1): one system per process, {args.rss_steps} steps; baseline = RSS "
         "after imports and data, before the model is built; model states = params + grads + optimizer states "
-        "counted from the tensors:",
+        "counted from the tensors" + ("; GPU peak = torch.cuda.max_memory_allocated over the run" if gpu else "") + ":",
         "",
-        "| system | malloc | peak (ru_maxrss) | peak - baseline | after the last step - baseline | model states |",
-        "|---|---|---|---|---|---|",
+        "| system | malloc | peak (ru_maxrss) | peak - baseline | after the last step - baseline | model states |"
+        + (" GPU peak MiB |" if gpu else ""),
+        "|---|---|---|---|---|---|" + ("---|" if gpu else ""),
     ]
     for name, variant, ranks in rows:
         states = max(sum(m.values()) for m in summary[name]["model_state_bytes_per_rank"])
@@ -706,6 +967,7 @@ def rss_table(args: argparse.Namespace, summary: dict[str, Any], names: list[str
             f"| {name} | {variant} | {' / '.join(mib(r['peak_rss']) for r in ranks)} "
             f"| {' / '.join(mib(r['peak_rss'] - r['baseline_rss']) for r in ranks)} "
             f"| {' / '.join(mib(r['end_rss'] - r['baseline_rss']) for r in ranks)} | {mib(states)} |"
+            + (f" {' / '.join(mib(r['peak_accelerator']) for r in ranks)} |" if gpu else "")
         )
     lines += [
         "",
@@ -753,7 +1015,16 @@ def environment() -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "platform": platform.platform(),
         "malloc_mmap_threshold_env": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        **gpus(),
     }
+
+
+def gpus() -> dict[str, Any]:
+    """The GPUs and CUDA of this machine, where there are any (nothing on a CPU-only one)."""
+    if not torch.cuda.is_available():
+        return {}
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"cuda": torch.version.cuda, "gpus": names}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -767,6 +1038,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per system before those")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument(
+        "--device",
+        choices=sorted(BACKENDS),
+        default="cpu",
+        help="cpu: gloo ranks; cuda: NCCL ranks, rank r on cuda:r (one node; not run yet)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--systems", default="ddp,zero1,zero2", help=f"comma-separated, from {','.join(SYSTEMS)}")
     parser.add_argument("--rss-variants", default="as-is,mmap64k", help="comma-separated from as-is,mmap64k; '' = none")
@@ -791,6 +1068,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown systems or RSS variants {unknown}; systems: {SYSTEMS}, variants: {list(RSS_VARIANTS)}")
     if len(set(args.systems)) != len(args.systems) or not args.systems:
         parser.error("--systems needs distinct names")
+    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
+        parser.error(f"--device cuda needs a GPU per rank: {torch.cuda.device_count()} GPUs, {args.world_size} ranks")
     return args
 
 
@@ -802,7 +1081,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {cfg} | {environment()}", file=sys.stderr, flush=True)
     started = time.perf_counter()
     busy_before, own_before = machine_busy_s(), _own_cpu_s()
-    timing = run_on_ranks(timing_rank, args.world_size, args.threads, args)
+    timing = run_on_ranks(timing_rank, args.world_size, args.threads, args, device_type=args.device)
     wall = time.perf_counter() - started
     # CPU time that other processes took from this machine during the timing run (children's time
     # counts once they have been joined, as they are by now).
@@ -815,7 +1094,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.systems:
             t = time.perf_counter()
             rss[variant][name] = run_on_ranks(
-                rss_rank, args.world_size, args.threads, args, name, env=RSS_VARIANTS[variant]
+                rss_rank, args.world_size, args.threads, args, name, env=RSS_VARIANTS[variant], device_type=args.device
             )
             print(f"# rss run {variant}/{name}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
     summary = summarize(args, timing, rss)
