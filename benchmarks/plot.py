@@ -39,9 +39,11 @@ def title(record: dict[str, Any]) -> str:
     rounds = summary.get("_rounds", {})
     used = len(rounds.get("used_rounds", []))
     noisy = "" if rounds.get("used_clean_only", True) else " (NOISY)"
+    precision = "fp32 and bf16-mixed (*_bf16)" if any(n.endswith("_bf16") for n in systems(summary)) else "fp32"
+    backend = "nccl" if config.get("device") == "cuda" else "gloo"
     return (
-        f"GPT Ψ={numel / 1e6:.1f}M, N={config['world_size']} gloo ranks, batch {config['batch_size']}x"
-        f"{config['block_size']}, AdamW fp32, {config.get('threads', 1)} thread/rank\n"
+        f"GPT Ψ={numel / 1e6:.1f}M, N={config['world_size']} {backend} ranks, batch {config['batch_size']}x"
+        f"{config['block_size']}, AdamW {precision}, {config.get('threads', 1)} thread/rank\n"
         f"{config['warmup']} warmup + {used} rounds used{noisy}, torch {record['environment'].get('torch', '?')}"
     )
 
