@@ -146,8 +146,9 @@ class ZeroEngine:
         ]
         fix = "Build the same model and optimizers on every rank before Trainer.fit."
         self.comm.agree("the model's parameters (shape, dtype, requires_grad, optimizer group)", params, fix)
-        options = sorted(self.config.describe().items())
-        self.comm.agree("ZeroStrategy options", options, "Pass the same ZeroStrategy options on every rank.")
+        options = sorted(self.config.describe().items()) + list(self.policy.describe().items())
+        fix = "Pass the same ZeroStrategy options and Trainer precision on every rank."
+        self.comm.agree("ZeroStrategy options and precision", options, fix)
 
     @staticmethod
     def broadcast_module_states(module: nn.Module, comm: Communicator) -> None:

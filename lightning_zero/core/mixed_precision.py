@@ -37,6 +37,17 @@ class PrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     master_dtype: torch.dtype | None = None
 
+    def describe(self) -> dict[str, str | None]:
+        """Plain values for the rank-agreement check, e.g. ``{"precision.param_dtype": "bfloat16", ...}``."""
+        return {
+            f"precision.{name}": None if dtype is None else str(dtype).removeprefix("torch.")
+            for name, dtype in (
+                ("param_dtype", self.param_dtype),
+                ("reduce_dtype", self.reduce_dtype),
+                ("master_dtype", self.master_dtype),
+            )
+        }
+
 
 class LossScaleError(RuntimeError):
     """Gradients overflowed although the loss scale is already at its minimum: training diverged."""
