@@ -1,0 +1,89 @@
+"""Where in a training step the RSS peaks: forward, backward, prepare_step, optimizer step, per system.
+
+Run on demand, from the repository root::
+
+    MALLOC_MMAP_THRESHOLD_=65536 python benchmarks/phase_memory.py zero3_bf16 fsdp2_bf16 zero3 fsdp2
+
+Each system (names of bench_zero.py) trains on 2 fresh gloo ranks for ``--steps`` steps. Before each phase of a
+step the kernel's peak-RSS counter (``VmHWM``) is reset (``/proc/self/clear_refs``); after the phase its peak is
+read. Printed per system: each phase's peak RSS over the RSS at the start of the step (rank 0, last step), in
+MiB. Run it with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed buffers leave the RSS (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_zero
+import torch
+
+PHASES = ("forward", "backward", "prepare_step", "step")
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # resets VmHWM to the current RSS
+
+
+def phase_peaks(rank: int, world_size: int, args: argparse.Namespace, name: str) -> list[dict[str, float]]:
+    """Per step: the peak RSS of each phase over the RSS at the step's start, in MiB."""
+    torch.set_num_threads(args.threads)
+    system = bench_zero.build_system(name, bench_zero.model_config(args), args, None)
+    engine = getattr(system, "engine", None)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=name.endswith("_bf16"))
+    stream = bench_zero.batch_stream(args, rank)
+    steps = []
+    for _ in range(args.steps):
+        x, y = next(stream)
+        start, peaks = _status_mib("VmRSS"), {}
+        _reset_peak()
+        system.optimizer.zero_grad()
+        with autocast:
+            loss = bench_zero._loss(system.model, x, y)
+        peaks["forward"] = _status_mib("VmHWM") - start
+        _reset_peak()
+        loss.backward()
+        peaks["backward"] = _status_mib("VmHWM") - start
+        _reset_peak()
+        if engine is not None:
+            engine.prepare_step(system.optimizer)
+        peaks["prepare_step"] = _status_mib("VmHWM") - start
+        _reset_peak()
+        system.optimizer.step()
+        if engine is not None:
+            engine.finish_step(system.optimizer)
+        peaks["step"] = _status_mib("VmHWM") - start
+        steps.append(peaks)
+    return steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("systems", nargs="+", help=f"from {', '.join(bench_zero.SYSTEMS)}")
+    parser.add_argument("--params", default="25e6")
+    parser.add_argument("--steps", type=int, default=3)
+    options, rest = parser.parse_known_args(argv)
+    args = bench_zero.parse_args(["--params", options.params, *rest])
+    print(f"phase peak RSS over the step's start, MiB (rank 0, step {options.steps}): " + " | ".join(PHASES))
+    for name in options.systems:
+        args.steps = options.steps
+        result: Any = bench_zero.run_on_ranks(phase_peaks, args.world_size, args.threads, args, name)
+        last = result[0][-1]
+        print(f"{name}: " + " | ".join(f"{last[phase]:.1f}" for phase in PHASES))
+
+
+if __name__ == "__main__":
+    main()
