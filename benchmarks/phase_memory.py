@@ -6,8 +6,10 @@ Run on demand, from the repository root::
 
 Each system (names of bench_zero.py) trains on 2 fresh gloo ranks for ``--steps`` steps. Before each phase of a
 step the kernel's peak-RSS counter (``VmHWM``) is reset (``/proc/self/clear_refs``); after the phase its peak is
-read. Printed per system: each phase's peak RSS over the RSS at the start of the step (rank 0, last step), in
-MiB. Run it with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed buffers leave the RSS (see docs/benchmarks.md).
+read, and so is the RSS when the phase ends. Printed per system (rank 0, last step, MiB over the RSS at the start
+of the step): for each phase its peak and its end. Run it with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed
+buffers leave the RSS (see docs/benchmarks.md). Memory that an earlier step freed but the allocator kept
+resident is reused without raising the RSS, so a peak shows what a phase added on top of that, not all it used.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def _reset_peak() -> None:
 
 
 def phase_peaks(rank: int, world_size: int, args: argparse.Namespace, name: str) -> list[dict[str, float]]:
-    """Per step: the peak RSS of each phase over the RSS at the step's start, in MiB."""
+    """Per step: the peak RSS of each phase (``phase``) and the RSS at its end (``phase/end``) over the RSS at the
+    step's start, in MiB."""
     torch.set_num_threads(args.threads)
     system = bench_zero.build_system(name, bench_zero.model_config(args), args, None)
     engine = getattr(system, "engine", None)
@@ -54,18 +57,22 @@ def phase_peaks(rank: int, world_size: int, args: argparse.Namespace, name: str)
         with autocast:
             loss = bench_zero._loss(system.model, x, y)
         peaks["forward"] = _status_mib("VmHWM") - start
+        peaks["forward/end"] = _status_mib("VmRSS") - start
         _reset_peak()
         loss.backward()
         peaks["backward"] = _status_mib("VmHWM") - start
+        peaks["backward/end"] = _status_mib("VmRSS") - start
         _reset_peak()
         if engine is not None:
             engine.prepare_step(system.optimizer)
         peaks["prepare_step"] = _status_mib("VmHWM") - start
+        peaks["prepare_step/end"] = _status_mib("VmRSS") - start
         _reset_peak()
         system.optimizer.step()
         if engine is not None:
             engine.finish_step(system.optimizer)
         peaks["step"] = _status_mib("VmHWM") - start
+        peaks["step/end"] = _status_mib("VmRSS") - start
         steps.append(peaks)
     return steps
 
@@ -77,12 +84,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     options, rest = parser.parse_known_args(argv)
     args = bench_zero.parse_args(["--params", options.params, *rest])
-    print(f"phase peak RSS over the step's start, MiB (rank 0, step {options.steps}): " + " | ".join(PHASES))
+    print(f"RSS over the step's start, MiB (rank 0, step {options.steps}), peak / end of: " + " | ".join(PHASES))
     for name in options.systems:
         args.steps = options.steps
         result: Any = bench_zero.run_on_ranks(phase_peaks, args.world_size, args.threads, args, name)
         last = result[0][-1]
-        print(f"{name}: " + " | ".join(f"{last[phase]:.1f}" for phase in PHASES))
+        print(f"{name}: " + " | ".join(f"{last[phase]:.1f} / {last[phase + '/end']:.1f}" for phase in PHASES))
 
 
 if __name__ == "__main__":
