@@ -304,19 +304,8 @@ def timing_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[st
 
 
 def summarize(args: argparse.Namespace, timing: list[dict[str, Any]]) -> dict[str, Any]:
-    load = timing[0]["load"]
-    measured = range(args.warmup, len(load))
-    clean = [i for i in measured if load[i] <= args.max_foreign]
-    rounds = clean if len(clean) >= max(3, args.steps // 2) else list(measured)
-    summary: dict[str, Any] = {
-        "_rounds": {
-            "foreign_share_per_round": load,
-            "measured_rounds": len(measured),
-            "clean_rounds": clean,
-            "used_rounds": rounds,
-            "used_clean_only": rounds == clean,
-        }
-    }
+    rounds, rounds_info = bz.select_rounds(args, timing[0]["load"])
+    summary: dict[str, Any] = {"_rounds": rounds_info}
     for name in args.systems:
         per_step = [max(r["times"][name][i] for r in timing) for i in rounds]
         phase_names = timing[0]["phases"][name][0].keys()

@@ -759,24 +759,31 @@ def _collect(procs: list[Any], queue: Any) -> tuple[dict[int, Any], dict[int, st
 # ----------------------------------------------------------------------------- report
 
 
+def select_rounds(args: argparse.Namespace, load: list[float]) -> tuple[list[int], dict[str, Any]]:
+    """The measured rounds the statistics use, and a description of the choice.
+
+    Rounds in which other processes left the machine alone (at most ``--max-foreign`` of the CPUs), if there are
+    enough of them; else every measured round (flagged by ``used_clean_only=False``).
+    """
+    measured = range(args.warmup, len(load))
+    clean = [i for i in measured if load[i] <= args.max_foreign]
+    rounds = clean if len(clean) >= max(3, args.steps // 2) else list(measured)
+    info = {
+        "foreign_share_per_round": load,
+        "measured_rounds": len(measured),
+        "clean_rounds": clean,
+        "used_rounds": rounds,
+        "used_clean_only": rounds == clean,
+    }
+    return rounds, info
+
+
 def summarize(args: argparse.Namespace, timing: list[dict[str, Any]], rss: dict[str, dict[str, list]]) -> dict:
     names = list(args.systems)
     world = args.world_size
     tokens = args.batch_size * args.block_size * world  # tokens per optimizer step, all ranks
-    load = timing[0]["load"]
-    measured = range(args.warmup, len(load))
-    clean = [i for i in measured if load[i] <= args.max_foreign]
-    # Statistics over the rounds in which other processes left the machine alone, if there are enough.
-    rounds = clean if len(clean) >= max(3, args.steps // 2) else list(measured)
-    summary: dict[str, Any] = {
-        "_rounds": {
-            "foreign_share_per_round": load,
-            "measured_rounds": len(measured),
-            "clean_rounds": clean,
-            "used_rounds": rounds,
-            "used_clean_only": rounds == clean,
-        }
-    }
+    rounds, rounds_info = select_rounds(args, timing[0]["load"])
+    summary: dict[str, Any] = {"_rounds": rounds_info}
     for name in names:
         # A step lasts as long as its slowest rank; warmup rounds are dropped.
         per_step = [max(r["times"][name][i] for r in timing) for i in rounds]
