@@ -6,6 +6,7 @@ checkpoint code and the sharding core) can share one option type.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -76,6 +77,8 @@ class ZeroConfig:
             raise ValueError(f"shard_size must be a positive int or None, got {self.shard_size!r}.")
         if not isinstance(self.timeout, timedelta):
             raise ValueError(f"timeout must be a datetime.timedelta, got {self.timeout!r}.")
+        for name in ("wrap_policy", "activation_checkpointing"):
+            object.__setattr__(self, name, _resolve_policy(name, getattr(self, name)))
         self._check_built()
 
     def _check_built(self) -> None:
@@ -103,6 +106,37 @@ class ZeroConfig:
         values["wrap_policy"] = _describe_policy(self.wrap_policy)
         values["activation_checkpointing"] = _describe_policy(self.activation_checkpointing)
         return values
+
+
+def _resolve_policy(name: str, policy: Any) -> Any:
+    """A module-class policy with import paths (``"my_pkg.model.Block"``, as YAML configs give them) replaced by
+    the classes; ``None`` and callables pass through. Anything else raises a ``ValueError`` naming the option."""
+    if policy is None or (callable(policy) and not isinstance(policy, str)):
+        return policy
+    items = [policy] if isinstance(policy, str) else policy
+    if not isinstance(items, set | frozenset | list | tuple):
+        raise ValueError(
+            f"{name}={policy!r} is not supported: pass a set of nn.Module classes (or their import paths, e.g. "
+            f"['my_package.model.Block'] in YAML), or a callable(module) -> bool."
+        )
+    classes = [_import_class(name, item) if isinstance(item, str) else item for item in items]
+    wrong = [item for item in classes if not isinstance(item, type)]
+    if wrong:
+        raise ValueError(f"{name} must hold nn.Module classes, got {wrong[0]!r}; e.g. {name}={{Block}}.")
+    return set(classes)
+
+
+def _import_class(name: str, path: str) -> type:
+    module_name, _, class_name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), class_name) if module_name else None
+    except (ImportError, AttributeError):
+        found = None
+    if not isinstance(found, type):
+        raise ValueError(
+            f"{name}: cannot import the class {path!r}; give its full import path, e.g. 'my_package.model.Block'."
+        )
+    return found
 
 
 def _describe_policy(policy: Any) -> Any:

@@ -39,6 +39,10 @@ def test_defaults_follow_the_contract() -> None:
         ({"process_group_backend": "mpi"}, r"process_group_backend='mpi' is not supported"),
         ({"start_method": "forkserver"}, r"start_method='forkserver' is not supported"),
         ({"timeout": 30}, r"timeout must be a datetime.timedelta"),
+        ({"wrap_policy": 5}, r"wrap_policy=5 is not supported: pass a set of nn.Module classes"),
+        ({"activation_checkpointing": ["no_such_module.Block"]}, r"activation_checkpointing: cannot import"),
+        ({"wrap_policy": ["torch.nn.no_such_class"]}, r"wrap_policy: cannot import the class 'torch.nn.no_such_"),
+        ({"wrap_policy": [3]}, r"wrap_policy must hold nn.Module classes, got 3"),
     ],
 )
 def test_invalid_options_raise_value_error(kwargs: dict, match: str) -> None:
@@ -71,3 +75,14 @@ def test_describe_names_policies_in_a_stable_order() -> None:
 
     described = ZeroConfig(wrap_policy={nn.Linear, nn.Embedding}).describe()["wrap_policy"]
     assert described == ["torch.nn.modules.linear.Linear", "torch.nn.modules.sparse.Embedding"]
+
+
+def test_policies_accept_import_paths_as_yaml_gives_them() -> None:
+    from torch import nn
+
+    config = ZeroConfig(stage=3, wrap_policy=["torch.nn.Linear"], activation_checkpointing="torch.nn.Embedding")
+    assert config.wrap_policy == {nn.Linear}
+    assert config.activation_checkpointing == {nn.Embedding}
+    assert ZeroConfig(wrap_policy=[nn.Linear, "torch.nn.Embedding"]).wrap_policy == {nn.Linear, nn.Embedding}
+    policy = lambda module: False  # noqa: E731 - a callable passes through unchanged
+    assert ZeroConfig(wrap_policy=policy).wrap_policy is policy
