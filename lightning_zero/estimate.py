@@ -10,9 +10,12 @@ Each precision has a width for parameters and for gradients, and a width for the
 that the optimizer keeps when training runs in 16 bits; the optimizer adds K bytes of element-wise
 state per parameter (Adam/AdamW: exp_avg and exp_avg_sq, 8 bytes). Per rank:
 
-    params           = param_width * (Ψ + Φ)       / N at stage 3
-    gradients        = grad_width * Ψ              / N at stages 2-3
-    optimizer_states = (K + master_width) * Ψ      / N at stages 1-3
+    params           = param_width * Ψ + frozen_width * Φ   / N at stage 3
+    gradients        = grad_width * Ψ                       / N at stages 2-3
+    optimizer_states = (K + master_width) * Ψ               / N at stages 1-3
+
+Frozen parameters have no optimizer and so no fp32 master: the mixed modes keep them in fp32 (autocast
+casts them for compute), ``"bf16-true"`` holds them in bf16 like the rest of the module.
 
 Stage 0 is plain DDP (nothing divided), for comparison. Mixed-precision Adam is the paper's
 2 + 2 + 12 bytes per parameter. Offloading moves optimizer_states (and at stage 3 the parameter
@@ -40,14 +43,15 @@ class _Widths(NamedTuple):
     param: int
     grad: int
     master: int  # fp32 master copy kept with the optimizer state; 0 when the parameters are fp32
+    frozen: int  # frozen parameters: the mixed modes leave them in fp32, "bf16-true" casts the whole module
 
 
 # fp32 training keeps nothing extra; 16-bit training keeps an fp32 master copy of each rank's shard.
 PRECISIONS: dict[str, _Widths] = {
-    "32-true": _Widths(param=4, grad=4, master=0),
-    "16-mixed": _Widths(param=2, grad=2, master=4),
-    "bf16-mixed": _Widths(param=2, grad=2, master=4),
-    "bf16-true": _Widths(param=2, grad=2, master=4),
+    "32-true": _Widths(param=4, grad=4, master=0, frozen=4),
+    "16-mixed": _Widths(param=2, grad=2, master=4, frozen=4),
+    "bf16-mixed": _Widths(param=2, grad=2, master=4, frozen=4),
+    "bf16-true": _Widths(param=2, grad=2, master=4, frozen=2),
 }
 
 # K: bytes of element-wise fp32 state per trainable parameter (torch.optim defaults).
@@ -119,7 +123,7 @@ def estimate_memory(
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     widths = PRECISIONS[precision]
     state_width = OPTIMIZER_STATE_BYTES[optimizer] + widths.master
-    params = _per_rank(widths.param * (trainable + frozen), world_size if stage >= 3 else 1)
+    params = _per_rank(widths.param * trainable + widths.frozen * frozen, world_size if stage >= 3 else 1)
     gradients = _per_rank(widths.grad * trainable, world_size if stage >= 2 else 1)
     optimizer_states = _per_rank(state_width * trainable, world_size if stage >= 1 else 1)
     offloaded = 0

@@ -86,7 +86,9 @@ class ZeroPrecision(Precision):
         )
         self.device_type = "cpu"  # for autocast; the strategy sets its device's type
         self._engine: ZeroEngine | None = None
-        self._prepared: dict[int, bool] = {}  # id(optimizer) -> may the step run (fp32 gradients made already)
+        # id(optimizer) -> (optimizer, may its step run): its fp32 gradients are made (by clipping or the step)
+        self._prepared: dict[int, tuple[Optimizer, bool]] = {}
+        self._backward_scale: float | None = None  # the loss scale of the last backward (fp16)
 
     @classmethod
     def from_plugin(cls, plugin: Precision) -> ZeroPrecision:
@@ -101,6 +103,7 @@ class ZeroPrecision(Precision):
                 "growth_factor": scaler._growth_factor,
                 "backoff_factor": scaler._backoff_factor,
                 "growth_interval": scaler._growth_interval,
+                "min_scale": min(1.0, scaler._init_scale),
             }
         return cls(str(getattr(plugin, "precision", "32-true")), **options)
 
@@ -146,8 +149,16 @@ class ZeroPrecision(Precision):
 
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        # A backward changes the held gradients: fp32 ones made for a step that did not come (a clip without a
+        # step) are stale.
+        for optimizer, _ in self._prepared.values():
+            self._require_engine().drop_step_grads(optimizer)
+        self._prepared.clear()
         if self.scaler is not None:
-            tensor = tensor * self.scaler.scale
+            # Every optimizer stepped on this backward's gradients unscales with this scale, even if an earlier
+            # optimizer's step has changed the scale since (manual optimization).
+            self._backward_scale = self.scaler.scale
+            tensor = tensor * self._backward_scale
         return super().pre_backward(tensor, module)
 
     # ------------------------------------------------------------------ step
@@ -177,9 +188,11 @@ class ZeroPrecision(Precision):
     def _prepare(self, optimizer: Optimizer) -> bool:
         """fp32 unscaled gradients for ``optimizer``'s masters and the agreed overflow check, once per step."""
         if id(optimizer) not in self._prepared:
-            scale = self.scaler.scale if self.scaler is not None else None
-            self._prepared[id(optimizer)] = self._require_engine().prepare_step(optimizer, scale)
-        return self._prepared[id(optimizer)]
+            scale = None
+            if self.scaler is not None:
+                scale = self._backward_scale if self._backward_scale is not None else self.scaler.scale
+            self._prepared[id(optimizer)] = (optimizer, self._require_engine().prepare_step(optimizer, scale))
+        return self._prepared[id(optimizer)][1]
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

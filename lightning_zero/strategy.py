@@ -215,9 +215,23 @@ class ZeroStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
-        if self._engine is not None and self._engine.units:
-            # A stage-3 module left sharded by an earlier fit/validate on this strategy: make it whole first.
-            self._engine.release_full_params()
+        self._setup_engine(fitting)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _setup_engine(self, fitting: bool) -> None:
+        """Build the engine that shards the module (or, for evaluation right after fit at stage 3, keep it)."""
+        assert self.model is not None
+        assert self._comm is not None
+        engine = self._engine
+        if engine is not None and engine.units:  # stage 3, left sharded by an earlier run on this strategy
+            if not fitting and engine.module is self.model:
+                # Evaluation after fit: keep the fit's shards, masters and optimizers (a checkpoint saved now has them).
+                engine.register_hooks()
+                self.precision_plugin.attach(engine)
+                return
+            engine.release_full_params()  # whole again (from the fp32 masters where there are some), sharded anew
         if fitting or self.config.stage == 3:
             # Stage 3 shards (and, after configure_model, creates) the parameters for evaluation too.
             optimizers = [unwrap_optimizer(optimizer) for optimizer in self.optimizers] if fitting else []
@@ -232,9 +246,6 @@ class ZeroStrategy(ParallelStrategy):
             self.precision_plugin.attach(self._engine)
         else:
             ZeroEngine.broadcast_module_states(self.model, self._comm)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def model_to_device(self) -> None:
@@ -300,10 +311,12 @@ class ZeroStrategy(ParallelStrategy):
 
     @contextmanager
     def gathered_params(self, write_back: bool = False) -> Generator[None, None, None]:
-        """Hold the module's full parameters inside the block (stage 3; nothing to do at stages 1 and 2).
+        """Hold the module's full parameters inside the block (stage 3; at stages 1 and 2 they are full anyway).
 
         A stage-3 module keeps only shards between steps and after ``fit``; use this to export or inspect it.
         With ``write_back=True`` changes made inside (e.g. ``load_state_dict``) are kept. Every rank must enter it.
+        In 16-bit runs the parameters are the 16-bit ones: the fp32 masters take the 16-bit values written. To load
+        fp32 values exactly, use ``trainer.strategy.load_model_state_dict({"state_dict": state_dict})``.
 
         Example::
 

@@ -157,6 +157,12 @@ class GradReducer:
         self._next_launch = 0
         self._callback_queued = False
         self._handles: list[RemovableHandle] = []
+        self.register_hooks()
+
+    def register_hooks(self) -> None:
+        """Hook every parameter's gradient (again, after :meth:`remove_hooks`)."""
+        if self._handles:
+            return
         for bucket_index, bucket in enumerate(self.buckets):
             for slot, param in enumerate(bucket.buffer.params):
                 hook = partial(self._on_grad, bucket_index, slot)

@@ -37,7 +37,7 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.core.buckets import GradBucket, GradReducer
 from lightning_zero.core.comm import CommStats, Communicator, wait_all
 from lightning_zero.core.flat_buffer import FlatParamBuffer, MasterPiece
-from lightning_zero.core.layout import plan_buckets
+from lightning_zero.core.layout import Piece, plan_buckets
 from lightning_zero.core.memory import MemoryReport, tensor_nbytes
 from lightning_zero.core.mixed_precision import PrecisionPolicy
 from lightning_zero.core.optim_state import gather_param_states, is_scalar_state, shard_param_state
@@ -92,10 +92,11 @@ class ZeroEngine:
             self.broadcast_module_states(module, comm)
         self.units: list[GatherUnit] = []  # stage 3 only; the root unit last
         self.buffers = self._build_units() if config.stage == 3 else self._build_buckets()
-        self._cast_unmanaged_params()
         bucket_type = _BUCKET_TYPES[config.stage]
         self.buckets = [
-            bucket_type(b, comm, self.policy.reduce_dtype) for b in self.buffers if b.params[0].requires_grad
+            bucket_type(b, comm, self.policy.reduce_dtype if b.master is not None else None)
+            for b in self.buffers
+            if b.params[0].requires_grad
         ]
         self.reducer = GradReducer(
             self.buckets,
@@ -118,6 +119,8 @@ class ZeroEngine:
         for binding in self.bindings:
             self._bind_optimizer(binding)
         self.last_step_comm = CommStats()
+        self._step_scale: dict[int, float | None] = {}  # id(optimizer) -> loss scale of its prepared step
+        self._clipped: dict[int, bool] = {}  # id(optimizer) -> its step gradients were clipped
 
     # ------------------------------------------------------------------ setup
     def _check_optimizers(self) -> None:
@@ -171,8 +174,8 @@ class ZeroEngine:
                     )
         planned.sort(key=lambda members: order[members[0]])
         buffers = [FlatParamBuffer(members, self.comm.rank, self.comm.world_size) for members in planned]
-        for buffer in buffers:  # every stage-1/2 buffer holds parameters that an optimizer updates
-            buffer.set_dtypes(self._cast_dtype(buffer.data.dtype), self.policy.master_dtype)
+        for buffer in buffers:  # every stage-1/2 buffer holds trainable parameters that an optimizer updates
+            buffer.set_dtypes(self.policy.param_dtype, self.policy.master_dtype)
         return buffers
 
     def _build_units(self) -> list[FlatParamBuffer]:
@@ -193,8 +196,9 @@ class ZeroEngine:
             initialise(self.module, on_meta)
             for buffer in unit_buffers:  # rank 0's values everywhere, whatever each rank's RNG did
                 self.comm.broadcast(buffer.data, src=0)
-                master = self.policy.master_dtype if any(p in optimized for p in buffer.params) else None
-                buffer.set_dtypes(self._cast_dtype(buffer.data.dtype), master)
+                # Only what an optimizer trains is held in 16 bits with a master; the rest keeps its dtype.
+                if buffer.params[0].requires_grad and any(p in optimized for p in buffer.params):
+                    buffer.set_dtypes(self.policy.param_dtype, self.policy.master_dtype)
                 buffer.commit_shard()
             self.units.append(GatherUnit(unit_module, unit_buffers, self.comm, is_root=unit_module is self.module))
             buffers.extend(unit_buffers)
@@ -203,19 +207,6 @@ class ZeroEngine:
                 self.comm.broadcast(tensor, src=0)
         # Backward meets the last units first: reverse registration order approximates it (see [Note: bucket order]).
         return list(reversed(buffers))
-
-    def _cast_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
-        """The dtype a floating-point parameter of ``dtype`` is held in (``None``: not cast)."""
-        return self.policy.param_dtype if dtype.is_floating_point else None
-
-    def _cast_unmanaged_params(self) -> None:
-        """Stages 1 and 2: parameters no optimizer holds (frozen ones) are not in a buffer; cast them too."""
-        managed = {p for b in self.buffers for p in b.params}
-        with torch.no_grad():
-            for param in self.module.parameters():
-                dtype = self._cast_dtype(param.dtype)
-                if param not in managed and dtype is not None:
-                    param.data = param.data.to(dtype)
 
     def _unit_of(self, buffer: FlatParamBuffer) -> GatherUnit | None:
         return next((unit for unit in self.units if any(b is buffer for b in unit.buffers)), None)
@@ -259,16 +250,13 @@ class ZeroEngine:
         """Give ``optimizer``'s master pieces fp32 gradients, divided by ``loss_scale``; with a ``loss_scale`` the
         ranks agree whether any of them holds an inf/NaN. Returns whether the step may run (collective then).
 
-        A no-op without master copies. See [Note: mixed-precision model states].
+        Parameters changed in place since the last step (e.g. weight clipping at stages 1 and 2) are first taken
+        into the masters. A no-op without master copies. See [Note: mixed-precision model states].
         """
         overflow = torch.zeros((), dtype=torch.uint8, device=self.device)
-        for bucket in self._binding(optimizer).buckets:
-            buffer = bucket.buffer
-            live = [
-                (piece, master_piece)
-                for piece, master_piece in zip(buffer.pieces, buffer.piece_params, strict=True)
-                if isinstance(master_piece, MasterPiece) and master_piece.held_grad is not None
-            ]
+        self._step_scale[id(optimizer)] = loss_scale
+        for buffer, live in self._live_master_pieces(optimizer):
+            buffer.refresh_master()
             if not live:
                 continue
             assert buffer.master is not None
@@ -289,16 +277,45 @@ class ZeroEngine:
         """After ``optimizer`` updated this rank's shard (``stepped``): round masters into it and all-gather it
         (stages 1 and 2). Drops the fp32 step gradients either way."""
         binding = self._binding(optimizer)
-        for bucket in binding.buckets:
-            for piece in bucket.buffer.piece_params:
-                if isinstance(piece, MasterPiece):
-                    piece.step_grad = None
-            if stepped:
+        self.drop_step_grads(optimizer, keep_clipped=stepped)
+        if stepped:
+            for bucket in binding.buckets:
                 bucket.buffer.master_to_shard()
         if stepped and self.config.stage < 3:
             works = [self.comm.all_gather(b.buffer.data, b.buffer.shard, async_op=True) for b in binding.buckets]
             wait_all(works)
         self.last_step_comm = self.comm.stats.reset()
+
+    def drop_step_grads(self, optimizer: Optimizer, keep_clipped: bool = False) -> None:
+        """Free the fp32 step gradients of ``optimizer``'s masters. With ``keep_clipped`` a gradient that clipping
+        changed is written back (rescaled) into the held 16-bit one, which accumulates on if ``zero_grad`` is
+        not called, as torch keeps a clipped gradient."""
+        clipped = self._clipped.pop(id(optimizer), False) and keep_clipped
+        scale = self._step_scale.pop(id(optimizer), None)
+        for _, live in self._live_master_pieces(optimizer):
+            for _, master_piece in live:
+                if master_piece.step_grad is None:
+                    continue
+                if clipped:
+                    master_piece.held_grad.copy_(master_piece.step_grad * (scale or 1.0))
+                master_piece.step_grad = None
+
+    def _live_master_pieces(
+        self, optimizer: Optimizer
+    ) -> Iterator[tuple[FlatParamBuffer, list[tuple[Piece, MasterPiece]]]]:
+        """Per buffer of ``optimizer``: its master pieces that belong to this optimizer and hold a gradient.
+
+        At stage 3 a buffer may hold the parameters of several optimizers; only this one's are returned.
+        """
+        own = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for bucket in self._binding(optimizer).buckets:
+            buffer = bucket.buffer
+            live = [
+                (piece, master_piece)
+                for piece, master_piece in zip(buffer.pieces, buffer.piece_params, strict=True)
+                if isinstance(master_piece, MasterPiece) and id(master_piece) in own and master_piece.grad is not None
+            ]
+            yield buffer, live
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip ``optimizer``'s gradients by their global norm over all shards; returns the norm (collective)."""
@@ -317,11 +334,13 @@ class ZeroEngine:
             total = local ** (1.0 / norm_type)
         # Same coefficient as torch.nn.utils.clip_grad_norm_.
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._clipped[id(optimizer)] = True
         for grad in grads:
             grad.mul_(coefficient.to(grad.dtype))
         return total
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
+        self._clipped[id(optimizer)] = True
         for grad in self._piece_grads(optimizer):
             grad.clamp_(min=-clip_value, max=clip_value)
 
@@ -335,6 +354,12 @@ class ZeroEngine:
         self.reducer.remove_hooks()
         for unit in self.units:
             unit.remove_hooks()
+
+    def register_hooks(self) -> None:
+        """Undo :meth:`remove_hooks`: the engine drives the module again (e.g. evaluation after ``fit``)."""
+        self.reducer.register_hooks()
+        for unit in self.units:
+            unit.register_hooks()
 
     # ------------------------------------------------------------------ stage 3
     @contextmanager
@@ -389,16 +414,17 @@ class ZeroEngine:
                         FlatParamBuffer.shard_view(buffer.master, piece).copy_(values)
 
     def release_full_params(self) -> None:
-        """Stage 3: give every parameter its own full tensor again and stop sharding them.
+        """Stage 3: give every parameter its own full tensor again and stop sharding them (collective).
 
-        The optimizer pieces keep their shards, so the optimizer state can still be saved.
+        A parameter with a master copy gets the master's values and dtype, so a new engine starts from them. The
+        optimizer pieces keep their shards, so the optimizer state can still be saved.
         """
         for unit in self.units:
-            unit.unshard()
             for buffer in unit.buffers:
-                for param in buffer.params:
-                    param.data = param.data.clone()
-            unit.reshard()
+                full = buffer.full_values(self.comm)
+                for param, values in zip(buffer.params, buffer.param_views(full), strict=True):
+                    param.data = values.clone()
+                del full
             unit.remove_hooks()
         self.units = []
 

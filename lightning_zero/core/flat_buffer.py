@@ -48,7 +48,8 @@ class ShardPiece(nn.Parameter):
     owner: nn.Parameter
 
     def __new__(cls, data: Tensor, owner: nn.Parameter) -> ShardPiece:
-        piece = super().__new__(cls, data, requires_grad=True)
+        # Only floating-point and complex tensors can require gradients (a frozen integer parameter cannot).
+        piece = super().__new__(cls, data, requires_grad=data.is_floating_point() or data.is_complex())
         piece.owner = owner
         return piece
 
@@ -144,10 +145,13 @@ class FlatParamBuffer:
 
     def set_dtypes(self, param_dtype: torch.dtype | None, master_dtype: torch.dtype | None) -> None:
         """Hold the parameters in ``param_dtype``; with ``master_dtype`` the optimizer gets a copy of the shard in
-        that dtype, taken before the cast. Call before training, while the buffer holds its full values (stage 3:
-        before :meth:`commit_shard`). See [Note: mixed-precision model states]."""
+        that dtype, taken before the cast. Both apply to floating-point buffers only (complex and integer ones keep
+        their dtype). Call before training, while the buffer holds its full values (stage 3: before
+        :meth:`commit_shard`). See [Note: mixed-precision model states]."""
         if self.state is not ShardedState.GATHERED:
             raise RuntimeError("set_dtypes needs the full buffer: call it before commit_shard()")
+        if not self.data.dtype.is_floating_point:
+            param_dtype = master_dtype = None
         lo, hi = self.layout.shard_bounds(self.rank)
         if master_dtype is not None:
             self.master = self.data[lo:hi].to(master_dtype, copy=True)

@@ -27,6 +27,7 @@ class FullGradBucket(GradBucket):
         super().__init__(buffer, comm, reduce_dtype)
         self.full_grad = torch.zeros_like(buffer.data)
         self._staging: Tensor | None = None  # the bucket in reduce_dtype while a reduction in a wider dtype runs
+        self._carry: Tensor | None = None  # live reduced gradients kept across an accumulation (own segment)
         self._output: Tensor | None = None
         lo, hi = buffer.layout.shard_bounds(buffer.rank)
         self.shard_grad = self.full_grad[lo:hi]
@@ -37,17 +38,16 @@ class FullGradBucket(GradBucket):
         """Turn a reduced buffer back into a local one, keeping live gradients. See [Note: gradient liveness]."""
         if not self._reduced:
             return
-        # The other segments were spent by the reduction; the own segment holds the average. Scaling
-        # the live part by world_size makes it a local contribution that the next reduction (sum /
-        # world_size) returns unchanged; pieces that zero_grad emptied start again from zero.
-        lo, hi = self.buffer.layout.shard_bounds(self.buffer.rank)
-        self.full_grad[:lo].zero_()
-        self.full_grad[hi:].zero_()
+        # The other segments were spent by the reduction; the own segment holds the average. The live part of
+        # it is set aside and added to the next reduction's result (adding it to the local sums instead would
+        # need it times world_size, which can overflow fp16); pieces that zero_grad emptied start from zero.
         self._live = [param.grad is not None for _, param, _ in self._pieces()]
-        for (_, _, view), live in zip(self._pieces(), self._live, strict=True):
-            if not live:
-                view.zero_()
-        self.shard_grad.mul_(self.comm.world_size)
+        if any(self._live):
+            self._carry = self.shard_grad.clone()
+            for (piece, _, _), live in zip(self._pieces(), self._live, strict=True):
+                if not live:
+                    FlatParamBuffer.shard_view(self._carry, piece).zero_()
+        self.full_grad.zero_()
         self._reduced = False
 
     def _accumulate(self, slot: int, grad: Tensor) -> None:
@@ -75,10 +75,14 @@ class FullGradBucket(GradBucket):
         if self._output is not None:
             self.shard_grad.copy_(self._output)
             self._output = None
+        if self._carry is not None:
+            self.shard_grad.add_(self._carry)
+            self._carry = None
         self._reduced = True
         for (piece, param, view), live in zip(self._pieces(), self._live, strict=True):
             param.grad = view if globally_used[piece.slot] or live else None
 
     @property
     def nbytes(self) -> int:
-        return self.full_grad.numel() * self.full_grad.element_size()
+        held = [t for t in (self.full_grad, self._staging, self._output, self._carry) if t is not None]
+        return sum(t.numel() * t.element_size() for t in held)

@@ -158,10 +158,16 @@ class GatherUnit:
         self.on_backward_start: Callable[[], None] | None = None  # set by the engine
         self.prefetcher: Prefetcher | None = None  # set by the engine when overlap_comm is on
         self._pending: list[Work | None] = []  # gathers started ahead of use (prefetch), one per buffer
-        self._handles: list[RemovableHandle] = [
-            module.register_forward_pre_hook(self._pre_forward),
-            module.register_forward_hook(self._post_forward),
-        ]
+        self._handles: list[RemovableHandle] = []
+        self.register_hooks()
+
+    def register_hooks(self) -> None:
+        """Gather and free around the module's forward (again, after :meth:`remove_hooks`)."""
+        if not self._handles:
+            self._handles = [
+                self.module.register_forward_pre_hook(self._pre_forward),
+                self.module.register_forward_hook(self._post_forward),
+            ]
 
     @property
     def state(self) -> ShardedState:

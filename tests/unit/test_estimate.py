@@ -50,17 +50,25 @@ def test_zero_paper_figure_1(stage: int, gigabytes: float) -> None:
 
 
 @pytest.mark.parametrize(
-    ("precision", "param_width", "grad_width", "master_width"),
-    [("32-true", 4, 4, 0), ("16-mixed", 2, 2, 4), ("bf16-mixed", 2, 2, 4), ("bf16-true", 2, 2, 4)],
+    ("precision", "param_width", "frozen_width", "grad_width", "master_width"),
+    [("32-true", 4, 4, 4, 0), ("16-mixed", 2, 4, 2, 4), ("bf16-mixed", 2, 4, 2, 4), ("bf16-true", 2, 2, 2, 4)],
 )
 @pytest.mark.parametrize(
     ("optimizer", "k"), [("adamw", 8), ("adam", 8), ("sgd", 0), ("sgd_momentum", 4), ("adagrad", 4), ("rmsprop", 4)]
 )
 def test_bytes_per_parameter_at_stage_0(
-    model: nn.Module, precision: str, param_width: int, grad_width: int, master_width: int, optimizer: str, k: int
+    model: nn.Module,
+    precision: str,
+    param_width: int,
+    frozen_width: int,
+    grad_width: int,
+    master_width: int,
+    optimizer: str,
+    k: int,
 ) -> None:
     estimate = estimate_memory(model, stage=0, world_size=4, precision=precision, optimizer=optimizer)
-    assert estimate.params == param_width * (TRAINABLE + FROZEN)  # frozen parameters cost parameter bytes...
+    # Frozen parameters cost parameter bytes (no master: the mixed modes keep them in fp32)...
+    assert estimate.params == param_width * TRAINABLE + frozen_width * FROZEN
     assert estimate.gradients == grad_width * TRAINABLE  # ...and nothing else
     assert estimate.optimizer_states == (k + master_width) * TRAINABLE
     assert estimate.offloaded == 0
@@ -112,7 +120,7 @@ def test_offload_params_moves_the_parameter_shard_at_stage_3(model: nn.Module, t
     on_device = estimate_memory(model, stage=3, world_size=4)
     params_off = estimate_memory(model, stage=3, world_size=4, offload_params=target)
     assert params_off.params == 0
-    assert params_off.offloaded == on_device.params == 2 * (TRAINABLE + FROZEN) // 4
+    assert params_off.offloaded == on_device.params == (2 * TRAINABLE + 4 * FROZEN) // 4  # 16-mixed by default
     assert params_off.total == on_device.gradients + on_device.optimizer_states
     both = estimate_memory(model, stage=3, world_size=4, offload_optimizer="cpu", offload_params=target)
     assert both.offloaded == on_device.params + on_device.optimizer_states
