@@ -68,3 +68,41 @@ def test_lightning_launcher_trains_on_two_ranks(
     # The launcher hands rank 0's trained weights back to the model in this process.
     assert max(max_rel_diff(ranks[0]["state"], state_of(model)).values()) == 0.0
     assert min(max_rel_diff(initial, state_of(model)).values()) > 1e-4, "training did not change the weights"
+
+
+class RecordingMasters(RecordingTwoLayer):
+    """Writes the full weights a rank holds at the end of training, gathered with the fp32 masters (stage 3 keeps
+    only shards in the module, bf16-mixed only rounded parameters)."""
+
+    def on_train_end(self) -> None:
+        state = self.trainer.strategy._engine.full_state_dict(keep=True)  # collective: every rank is here
+        torch.save({"state": state}, f"{self.out_dir}/rank{self.global_rank}.pt")
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_launcher_returns_the_fp32_masters_of_a_stage3_bf16_run(
+    start_method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning's launcher sends module.state_dict() back: at stage 3 freed shards (a crash in the main process
+    # before), in 16-bit runs the rounded parameters. ZeroStrategy's sends the gathered fp32 masters.
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    model = RecordingMasters(str(tmp_path))
+    strategy = ZeroStrategy(stage=3, start_method=start_method)
+    trainer = make_trainer(
+        WORLD_SIZE, strategy, max_steps=STEPS, default_root_dir=str(tmp_path), precision="bf16-mixed"
+    )
+    try:
+        with _deadline(TIMEOUT_S):
+            trainer.fit(model, make_loader("two_layer"))
+    finally:
+        for proc in getattr(strategy.launcher, "procs", []):
+            if proc.is_alive():
+                proc.kill()
+
+    assert trainer.state.status == TrainerStatus.FINISHED
+    masters = torch.load(tmp_path / "rank0.pt", weights_only=False)["state"]
+    returned = state_of(model)
+    assert all(value.dtype == torch.float32 for value in returned.values())
+    assert max(max_rel_diff(masters, returned).values()) == 0.0
+    # fp32 values that bf16 cannot hold: the masters, not the rounded parameters, came back.
+    assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in returned.values())
