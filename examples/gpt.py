@@ -314,6 +314,8 @@ class ByteDataModule(LightningDataModule):
 def main(args: list[str] | None = None) -> None:
     """Command-line entry point: ``python examples/gpt.py {fit,validate} --config ...``."""
     LightningCLI(GPTLightningModule, ByteDataModule, save_config_kwargs={"overwrite": True}, args=args)
+    if torch.distributed.is_initialized():  # let the process group's threads end before the interpreter does
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

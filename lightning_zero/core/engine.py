@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
@@ -82,6 +83,7 @@ class ZeroEngine:
         self.config = config
         self.comm = comm
         self.policy = precision or PrecisionPolicy()
+        self._keep_dtype = _norm_params(module) if self.policy.param_dtype is not None else set()
         # Where sharded tensors and small control tensors (used-flags, norms) live; NCCL needs the GPU.
         self.device = device or next(module.parameters(), torch.empty(0)).device
         self.names = {param: name for name, param in module.named_parameters()}
@@ -167,7 +169,7 @@ class ZeroEngine:
         for binding in self.bindings:
             for params in binding.groups:
                 trainable = sorted((p for p in params if p.requires_grad), key=order.__getitem__)
-                for same in _split_by_dtype(trainable):
+                for same in _split_by_dtype(trainable, self._keep_dtype):
                     cap = max(1, self.config.bucket_cap_bytes // same[0].element_size())
                     planned.extend(
                         [same[i] for i in indices] for indices in plan_buckets([p.numel() for p in same], cap)
@@ -175,7 +177,8 @@ class ZeroEngine:
         planned.sort(key=lambda members: order[members[0]])
         buffers = [FlatParamBuffer(members, self.comm.rank, self.comm.world_size) for members in planned]
         for buffer in buffers:  # every stage-1/2 buffer holds trainable parameters that an optimizer updates
-            buffer.set_dtypes(self.policy.param_dtype, self.policy.master_dtype)
+            if buffer.params[0] not in self._keep_dtype:
+                buffer.set_dtypes(self.policy.param_dtype, self.policy.master_dtype)
         return buffers
 
     def _build_units(self) -> list[FlatParamBuffer]:
@@ -191,13 +194,14 @@ class ZeroEngine:
             unit_buffers = [
                 FlatParamBuffer(same, self.comm.rank, self.comm.world_size, keep_full=False, device=self.device)
                 for flag in (True, False)
-                for same in _split_by_dtype([p for p in params if p.requires_grad is flag])
+                for same in _split_by_dtype([p for p in params if p.requires_grad is flag], self._keep_dtype)
             ]
             initialise(self.module, on_meta)
             for buffer in unit_buffers:  # rank 0's values everywhere, whatever each rank's RNG did
                 self.comm.broadcast(buffer.data, src=0)
                 # Only what an optimizer trains is held in 16 bits with a master; the rest keeps its dtype.
-                if buffer.params[0].requires_grad and any(p in optimized for p in buffer.params):
+                first = buffer.params[0]
+                if first.requires_grad and first not in self._keep_dtype and any(p in optimized for p in buffer.params):
                     buffer.set_dtypes(self.policy.param_dtype, self.policy.master_dtype)
                 buffer.commit_shard()
             self.units.append(GatherUnit(unit_module, unit_buffers, self.comm, is_root=unit_module is self.module))
@@ -519,12 +523,19 @@ class ZeroEngine:
         return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
-def _split_by_dtype(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """``params`` grouped by (dtype, device), each group in the given order."""
-    groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+def _split_by_dtype(params: list[nn.Parameter], keep_dtype: set[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``params`` grouped by (dtype, device, in ``keep_dtype``), each group in the given order."""
+    groups: dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]] = {}
     for param in params:
-        groups.setdefault((param.dtype, param.device), []).append(param)
+        groups.setdefault((param.dtype, param.device, param in keep_dtype), []).append(param)
     return list(groups.values())
+
+
+def _norm_params(module: nn.Module) -> set[nn.Parameter]:
+    """Parameters of batch-norm layers. Their running statistics stay fp32, and CPU ``batch_norm`` (no autocast op)
+    needs its weight in their dtype, so a 16-bit policy leaves these parameters in fp32 (as FSDP's mixed precision
+    does): the optimizer updates them directly, without a master."""
+    return {p for m in module.modules() if isinstance(m, _BatchNorm) for p in m.parameters(recurse=False)}
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

@@ -1,0 +1,95 @@
+"""Models whose layers need care in 16-bit runs: batch norm keeps fp32 parameters next to its fp32 statistics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.helpers import run_on_ranks
+from tests.lightning.models import make_trainer
+
+WORLD_SIZE = 2
+PRECISIONS = ("bf16-mixed", "16-mixed")
+
+
+class WithBatchNorm(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).float(), y)
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x).float(), y), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _fit(stage: int, precision: str) -> dict[str, Any]:
+    from lightning_zero import ZeroPrecision, ZeroStrategy
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 8, generator=generator)
+    loader = DataLoader(TensorDataset(x, x[:, :1] * 2), batch_size=8)
+    plugin = {"plugins": [ZeroPrecision("16-mixed")]} if precision == "16-mixed" else {"precision": precision}
+    trainer = make_trainer(WORLD_SIZE, ZeroStrategy(stage=stage), max_steps=8, limit_val_batches=2, **plugin)
+    model = WithBatchNorm()
+    norm = model.net[1]
+    stats_before = norm.running_mean.clone()
+    trainer.fit(model, loader, loader)
+    validated = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
+    engine = trainer.strategy._engine
+    pieces = [p for group in trainer.optimizers[0].param_groups for p in group["params"]]
+    state = engine.full_state_dict(keep=True)
+    return {
+        "norm_dtypes": {str(p.dtype) for p in norm.parameters()},
+        "linear_dtype": str(model.net[0].weight.dtype) if stage < 3 else None,
+        "piece_dtypes": {str(p.dtype) for p in pieces},
+        "stats": (str(norm.running_mean.dtype), bool((norm.running_mean != stats_before).any())),
+        "state_finite": all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point()),
+        "val_loss": validated,
+    }
+
+
+def _all_cases(rank: int, world_size: int) -> dict[str, Any]:
+    out = {}
+    for stage in (1, 2, 3):
+        for precision in PRECISIONS:
+            try:
+                out[f"{stage}/{precision}"] = _fit(stage, precision)
+            except Exception as error:  # reported per case, so the others still run
+                out[f"{stage}/{precision}"] = f"{type(error).__name__}: {error}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> list[dict[str, Any]]:
+    return run_on_ranks(_all_cases, WORLD_SIZE)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_batch_norm_trains_with_fp32_parameters_and_statistics(
+    outcomes: list[dict[str, Any]], stage: int, precision: str
+) -> None:
+    for rank, results in enumerate(outcomes):
+        result = results[f"{stage}/{precision}"]
+        assert isinstance(result, dict), f"rank {rank}: {result}"
+        # CPU batch_norm is no autocast op: its weight must match its fp32 statistics, as FSDP keeps it.
+        assert result["norm_dtypes"] == {"torch.float32"}, result
+        assert result["stats"] == ("torch.float32", True), result
+        if stage < 3:  # the Linear layers are held in 16 bits (stage 3 frees them at rest)
+            assert result["linear_dtype"] == ("torch.bfloat16" if precision == "bf16-mixed" else "torch.float16")
+        assert result["piece_dtypes"] == {"torch.float32"}, result  # masters, and the norm's own fp32 pieces
+        assert result["state_finite"], result
+        assert result["val_loss"] < 5.0, result
