@@ -72,9 +72,12 @@ class ZeroPrecision(Precision):
             )
         compute = _COMPUTE_DTYPES[precision]
         allowed = sorted({"float32", str(compute).removeprefix("torch.")})
+        if isinstance(reduce_dtype, torch.dtype):  # as FSDP's MixedPrecisionPolicy takes it
+            reduce_dtype = str(reduce_dtype).removeprefix("torch.")  # type: ignore[assignment]
         if reduce_dtype not in allowed:
             raise ValueError(
-                f"reduce_dtype={reduce_dtype!r} does not fit precision={precision!r}; choose one of {allowed}."
+                f"reduce_dtype={reduce_dtype!r} does not fit precision={precision!r}; choose one of {allowed} "
+                "(a string, or the torch.dtype)."
             )
         self.precision = precision
         self.compute_dtype = compute

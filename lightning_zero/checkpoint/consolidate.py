@@ -90,7 +90,8 @@ def consolidate(
     storages: list[_LazyStorage] = []
     output = {**checkpoint.lightning_state()}
     output["state_dict"] = _state_dict(checkpoint, storages)
-    output["optimizer_states"] = [_optimizer(checkpoint, index, storages) for index in range(_count(checkpoint))]
+    if _count(checkpoint):  # saved with weights_only=True: no key, as in Lightning's own weights-only checkpoints
+        output["optimizer_states"] = [_optimizer(checkpoint, index, storages) for index in range(_count(checkpoint))]
     out_file = Path(out_file)
     tmp = out_file.with_name(f"{out_file.name}.tmp-{os.getpid()}")
     prefix = out_file.stem or "archive"

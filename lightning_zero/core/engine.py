@@ -149,7 +149,7 @@ class ZeroEngine:
             (name, (tuple(p.shape), str(p.dtype), p.requires_grad, group_of.get(p)))
             for name, p in self.module.named_parameters()
         ]
-        fix = "Build the same model and optimizers on every rank before Trainer.fit."
+        fix = "Build the same model and optimizers, with the same Trainer precision, on every rank before Trainer.fit."
         self.comm.agree("the model's parameters (shape, dtype, requires_grad, optimizer group)", params, fix)
         options = sorted(self.config.describe().items()) + list(self.policy.describe().items())
         fix = "Pass the same ZeroStrategy options and Trainer precision on every rank."

@@ -74,7 +74,10 @@ class DynamicLossScaler:
             "init_scale": (init_scale, init_scale > 0 and math.isfinite(init_scale)),
             "growth_factor": (growth_factor, growth_factor > 1),
             "backoff_factor": (backoff_factor, 0 < backoff_factor < 1),
-            "growth_interval": (growth_interval, isinstance(growth_interval, int) and growth_interval >= 1),
+            "growth_interval": (
+                growth_interval,
+                isinstance(growth_interval, int) and not isinstance(growth_interval, bool) and growth_interval >= 1,
+            ),
             "min_scale": (min_scale, 0 < min_scale <= init_scale),
         }
         for name, (value, ok) in checks.items():

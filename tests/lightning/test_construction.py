@@ -136,6 +136,16 @@ def test_precision_options_are_checked() -> None:
         lightning_zero.ZeroPrecision("bf16-mixed", reduce_dtype="float16")
     with pytest.raises(ValueError, match="backoff_factor=2"):
         lightning_zero.ZeroPrecision("16-mixed", backoff_factor=2)
+    with pytest.raises(ValueError, match="growth_interval=True"):
+        lightning_zero.ZeroPrecision("16-mixed", growth_interval=True)
+    # A torch.dtype is taken as FSDP's MixedPrecisionPolicy takes it.
+    assert lightning_zero.ZeroPrecision("bf16-mixed", reduce_dtype=torch.bfloat16).reduce_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["zero_2_offload", "zero_3_offload"])
+def test_offload_registry_strings_are_known_and_say_offload_is_not_built(name: str) -> None:
+    with pytest.raises(NotImplementedError, match="offload_optimizer.*not built yet"):
+        _trainer(strategy=name)
 
 
 @pytest.mark.parametrize("form", FORMS)

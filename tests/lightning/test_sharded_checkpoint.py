@@ -227,6 +227,17 @@ def test_model_checkpoint_keeps_sharded_directories_that_validate_and_resume(run
         assert outcome["step"] == 8
 
 
+def test_consolidated_weights_only_checkpoint_has_no_optimizer_states(runs: dict[str, Any], tmp_path: Path) -> None:
+    # As Lightning's own weights-only checkpoints: no key, so resuming fit from it gives Lightning's clear error.
+    import lightning_zero
+
+    out = tmp_path / "weights.ckpt"
+    lightning_zero.consolidate(runs["dir"] / "mc-weights", out)
+    checkpoint = torch.load(out, weights_only=False)
+    assert "optimizer_states" not in checkpoint
+    assert checkpoint["state_dict"]
+
+
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
