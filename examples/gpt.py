@@ -64,6 +64,31 @@ class GPTConfig:
     bias: bool = True
 
 
+class GPTLinear(nn.Linear):
+    """``nn.Linear`` with GPT-2's initialisation: weight ~ N(0, ``init_std``), bias 0.
+
+    The initialisation lives in ``reset_parameters()`` so that a model created on the meta device (``configure_model``
+    under ``ZeroStrategy(stage=3)``, which initialises each module with its ``reset_parameters()``) starts like one
+    built directly.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, init_std: float = 0.02) -> None:
+        self.init_std = init_std
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class GPTEmbedding(nn.Embedding):
+    """``nn.Embedding`` with GPT-2's initialisation, N(0, 0.02), in ``reset_parameters()`` (see :class:`GPTLinear`)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention on top of ``F.scaled_dot_product_attention``."""
 
@@ -71,8 +96,9 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         assert cfg.n_embd % cfg.n_head == 0, "n_embd must be divisible by n_head"
         self.n_head, self.dropout = cfg.n_head, cfg.dropout
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_attn = GPTLinear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        # GPT-2 scales the init of the projections into the residual stream by 1 / sqrt(2 * n_layer).
+        self.c_proj = GPTLinear(cfg.n_embd, cfg.n_embd, bias=cfg.bias, init_std=0.02 / math.sqrt(2 * cfg.n_layer))
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -91,9 +117,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = nn.Sequential(
-            nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias),
+            GPTLinear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias),
             nn.GELU(),
-            nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias),
+            GPTLinear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias, init_std=0.02 / math.sqrt(2 * cfg.n_layer)),
             nn.Dropout(cfg.dropout),
         )
 
@@ -108,24 +134,13 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.wte = GPTEmbedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = GPTEmbedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = GPTLinear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # GPT-2 scaled init of the residual projections
-            if name.endswith(("c_proj.weight", "mlp.2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear | nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
     def num_params(self) -> int:
         """Number of unique parameters (the tied embedding counted once)."""

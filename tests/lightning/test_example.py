@@ -120,3 +120,31 @@ def test_checkpoints_yaml_saves_sharded_and_resumes_at_another_stage(tmp_path: P
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
+
+
+def test_gpt_initialisation_is_the_same_when_built_on_the_meta_device() -> None:
+    # Stage 3 creates configure_model's modules on the meta device and initialises each with its
+    # reset_parameters(): the example keeps GPT-2's initialisation there, so every stage trains the same model.
+    import math
+
+    import torch
+
+    from examples.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=2, n_embd=64)
+    torch.manual_seed(0)
+    direct = GPT(cfg)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    meta.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for module in meta.modules():
+        if callable(getattr(module, "reset_parameters", None)) and any(True for _ in module.parameters(recurse=False)):
+            module.reset_parameters()
+    expected = {"wte.weight": 0.02, "blocks.0.attn.c_proj.weight": 0.02 / math.sqrt(2 * cfg.n_layer)}
+    for model in (direct, meta):
+        params = dict(model.named_parameters())
+        for name, std in expected.items():
+            assert params[name].std().item() == pytest.approx(std, rel=0.1), name
+        assert params["blocks.0.mlp.0.bias"].abs().max().item() == 0.0
+        assert params["ln_f.weight"].eq(1).all()
