@@ -119,8 +119,12 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
         type=Path,
         help="a LightningCLI YAML config; its model section gives class_path and init_args, or plain init args",
     )
-    estimate.add_argument("--world-size", type=_positive_int, required=True, help="number of ranks")
-    estimate.add_argument("--precision", choices=list(PRECISIONS), default="16-mixed", help="default: 16-mixed")
+    estimate.add_argument(
+        "--world-size", type=_positive_int, help="number of ranks (default: devices x num_nodes of --config's trainer)"
+    )
+    estimate.add_argument(
+        "--precision", choices=list(PRECISIONS), help="default: --config's trainer.precision, else 16-mixed"
+    )
     estimate.add_argument("--optimizer", choices=list(OPTIMIZER_STATE_BYTES), default="adamw", help="default: adamw")
     estimate.add_argument(
         "--offload-optimizer", choices=["cpu", "nvme"], default=False, help="stages 1-3: optimizer states off device"
@@ -131,6 +135,7 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> None:
+    _apply_trainer_settings(args)
     class_path, init_args = _model_spec(args)
     model = _build_on_meta(class_path, init_args)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -185,6 +190,22 @@ def _format_table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _apply_trainer_settings(args: argparse.Namespace) -> None:
+    """Fill --precision and --world-size from --config's ``trainer:`` section where they were not given."""
+    trainer = _read_yaml(args.config).get("trainer") if args.config is not None else None
+    trainer = trainer if isinstance(trainer, dict) else {}
+    if args.precision is None:
+        configured = str(trainer.get("precision"))
+        args.precision = configured if configured in PRECISIONS else "16-mixed"
+    if args.world_size is None:
+        devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+        if not (isinstance(devices, int) and isinstance(nodes, int) and devices > 0 and nodes > 0):
+            raise SystemExit(
+                "lightning-zero estimate: pass --world-size N (or a --config whose trainer has integer devices)."
+            )
+        args.world_size = devices * nodes
+
+
 def _model_spec(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """The class path and init args from --config, then --model and --init-args on top."""
     class_path, init_args = _read_config(args.config) if args.config is not None else (None, {})
@@ -205,15 +226,19 @@ def _model_spec(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return class_path, {**init_args, **overrides}
 
 
-def _read_config(path: Path) -> tuple[str | None, dict[str, Any]]:
-    """``model:`` of a LightningCLI config: ``{class_path, init_args}`` or the init args themselves."""
+def _read_yaml(path: Path) -> dict[str, Any]:
     import yaml
 
     try:
         config = yaml.safe_load(path.read_text())
     except OSError as error:
         raise SystemExit(f"lightning-zero estimate: cannot read --config {str(path)!r}: {error}") from None
-    model = config.get("model") if isinstance(config, dict) else None
+    return config if isinstance(config, dict) else {}
+
+
+def _read_config(path: Path) -> tuple[str | None, dict[str, Any]]:
+    """``model:`` of a LightningCLI config: ``{class_path, init_args}`` or the init args themselves."""
+    model = _read_yaml(path).get("model")
     if not isinstance(model, dict):
         raise SystemExit(
             f"lightning-zero estimate: --config {str(path)!r} has no 'model:' section with init args or a class_path."

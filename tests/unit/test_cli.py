@@ -73,6 +73,21 @@ def test_estimate_reads_the_model_section_of_a_lightning_cli_config(capsys: pyte
     assert _rows(capsys.readouterr().out)["0 (DDP)"][-1] == "1.93 MB"
 
 
+def test_estimate_takes_precision_and_world_size_from_the_configs_trainer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # zero1.yaml: precision 32-true, 2 devices on 1 node; the command line still wins.
+    config = str(REPO / "examples" / "configs" / "zero1.yaml")
+    assert main(["estimate", "--config", config, "--model", GPT]) == 0
+    assert "world_size=2, precision=32-true" in capsys.readouterr().out
+    assert main(["estimate", "--config", config, "--model", GPT, "--precision", "bf16-mixed", "--world-size", "8"]) == 0
+    assert "world_size=8, precision=bf16-mixed" in capsys.readouterr().out
+    no_devices = tmp_path / "c.yaml"
+    no_devices.write_text("trainer:\n  devices: auto\n")
+    with pytest.raises(SystemExit, match="pass --world-size N"):
+        main(["estimate", "--config", str(no_devices), "--model", GPT])
+
+
 def test_config_class_path_with_init_args_overridden_on_the_command_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
