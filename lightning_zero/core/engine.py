@@ -260,7 +260,8 @@ class ZeroEngine:
         overflow = torch.zeros((), dtype=torch.uint8, device=self.device)
         self._step_scale[id(optimizer)] = loss_scale
         for buffer, live in self._live_master_pieces(optimizer):
-            buffer.refresh_master()
+            if buffer.keep_full:  # stages 1 and 2; a stage-3 parameter changes only via gathered(write_back=True)
+                buffer.refresh_master()
             if not live:
                 continue
             assert buffer.master is not None

@@ -173,7 +173,7 @@ class FlatParamBuffer:
         """Take into the master the shard elements that were changed directly (e.g. by ``load_state_dict``)."""
         if self.master is not None:
             changed = self.shard != self.master.to(self.shard.dtype)
-            self.master.copy_(torch.where(changed, self.shard.to(self.master.dtype), self.master))
+            torch.where(changed, self.shard, self.master, out=self.master)
 
     def full_values(self, comm: Communicator) -> Tensor:
         """A new full-size tensor of every element in its best precision: the masters where kept (collective
