@@ -9,7 +9,9 @@ import contextlib
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -39,6 +41,19 @@ def _deadline(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+def _launch_fit(model: pl.LightningModule, strategy: ZeroStrategy, tmp_path: Path, **trainer_kwargs: Any) -> pl.Trainer:
+    """``trainer.fit`` with Lightning's launcher starting the ranks; a hang fails, and no rank outlives the test."""
+    trainer = make_trainer(WORLD_SIZE, strategy, max_steps=STEPS, default_root_dir=str(tmp_path), **trainer_kwargs)
+    try:
+        with _deadline(TIMEOUT_S):
+            trainer.fit(model, make_loader("two_layer"))
+    finally:
+        for proc in getattr(strategy.launcher, "procs", []):
+            if proc.is_alive():
+                proc.kill()
+    return trainer
+
+
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_lightning_launcher_trains_on_two_ranks(
     start_method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -47,15 +62,7 @@ def test_lightning_launcher_trains_on_two_ranks(
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     model = RecordingTwoLayer(str(tmp_path))
     initial = state_of(model)
-    strategy = ZeroStrategy(stage=2, start_method=start_method)
-    trainer = make_trainer(WORLD_SIZE, strategy, max_steps=STEPS, default_root_dir=str(tmp_path))
-    try:
-        with _deadline(TIMEOUT_S):
-            trainer.fit(model, make_loader("two_layer"))
-    finally:
-        for proc in getattr(strategy.launcher, "procs", []):
-            if proc.is_alive():
-                proc.kill()
+    trainer = _launch_fit(model, ZeroStrategy(stage=2, start_method=start_method), tmp_path)
 
     assert trainer.state.fn == TrainerFn.FITTING
     assert trainer.state.status == TrainerStatus.FINISHED
@@ -87,17 +94,7 @@ def test_launcher_returns_the_fp32_masters_of_a_stage3_bf16_run(
     # before), in 16-bit runs the rounded parameters. ZeroStrategy's sends the gathered fp32 masters.
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     model = RecordingMasters(str(tmp_path))
-    strategy = ZeroStrategy(stage=3, start_method=start_method)
-    trainer = make_trainer(
-        WORLD_SIZE, strategy, max_steps=STEPS, default_root_dir=str(tmp_path), precision="bf16-mixed"
-    )
-    try:
-        with _deadline(TIMEOUT_S):
-            trainer.fit(model, make_loader("two_layer"))
-    finally:
-        for proc in getattr(strategy.launcher, "procs", []):
-            if proc.is_alive():
-                proc.kill()
+    trainer = _launch_fit(model, ZeroStrategy(stage=3, start_method=start_method), tmp_path, precision="bf16-mixed")
 
     assert trainer.state.status == TrainerStatus.FINISHED
     masters = torch.load(tmp_path / "rank0.pt", weights_only=False)["state"]
