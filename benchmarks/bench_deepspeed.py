@@ -348,13 +348,7 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], versions: dict[s
         f"GPT {numel / 1e6:.2f}M parameters (Ψ = {numel:,}), N = {args.world_size} gloo ranks on the CPU, batch "
         f"{args.batch_size} x block {args.block_size} per rank, fp32 AdamW, DeepSpeed {versions['deepspeed']} "
         f"(torch {versions['torch']}), {args.warmup} warmup + {rounds['measured_rounds']} measured rounds of one "
-        "step per system, interleaved; statistics over "
-        + (
-            f"the {len(rounds['used_rounds'])} rounds in which other processes used <= {100 * args.max_foreign:.0f}% "
-            "of the CPUs."
-            if rounds["used_clean_only"]
-            else f"all of them (only {len(rounds['clean_rounds'])} were free of other load: NOISY)."
-        ),
+        "step per system, interleaved; " + bz.rounds_sentence(args, rounds),
         "",
         "| system | median step ms (min-max) | vs ddp | paired | params MiB | fp32 master MiB | optim MiB "
         "| grads MiB: peak in backward / after backward / after step | buckets MiB | total MiB | total / Ψ "

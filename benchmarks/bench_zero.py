@@ -778,6 +778,14 @@ def select_rounds(args: argparse.Namespace, load: list[float]) -> tuple[list[int
     return rounds, info
 
 
+def rounds_sentence(args: argparse.Namespace, rounds: dict[str, Any]) -> str:
+    """How the statistics chose their rounds (see :func:`select_rounds`), for the report's header."""
+    if rounds["used_clean_only"]:
+        used, share = len(rounds["used_rounds"]), 100 * args.max_foreign
+        return f"statistics over the {used} rounds in which other processes used <= {share:.0f}% of the CPUs."
+    return f"statistics over all of them (only {len(rounds['clean_rounds'])} were free of other load: NOISY)."
+
+
 def summarize(args: argparse.Namespace, timing: list[dict[str, Any]], rss: dict[str, dict[str, list]]) -> dict:
     names = list(args.systems)
     world = args.world_size
@@ -877,13 +885,7 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], combined_rss: li
         f"batch {args.batch_size} x block {args.block_size} per rank, AdamW, precision per system "
         f"({precision_text(names)}), "
         f"{args.warmup} warmup + {rounds['measured_rounds']} measured rounds of one step per system, interleaved; "
-        "statistics over "
-        + (
-            f"the {len(rounds['used_rounds'])} rounds in which other processes used <= {100 * args.max_foreign:.0f}% "
-            "of the CPUs."
-            if rounds["used_clean_only"]
-            else f"all of them (only {len(rounds['clean_rounds'])} were free of other load: NOISY)."
-        ),
+        + rounds_sentence(args, rounds),
         "",
         "| system | median step ms (min-max) | vs ddp | paired | vs same-precision ddp (paired) | tokens/s "
         "| params MiB | grads MiB | optim MiB | total MiB | formula MiB | measured/formula | comm MiB/step "

@@ -20,7 +20,7 @@ from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.mixed_precision import PrecisionPolicy
 from tests.distributed.models import Block, TinyLM, loss_fn
-from tests.distributed.parity import CASES, Case, _micro_batches, make_optimizer, train_ddp
+from tests.distributed.parity import CASES, Case, _micro_batches, clip_with_engine, make_optimizer, train_ddp
 
 STEPS = 5
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -120,10 +120,7 @@ def train_zero(
                 _scaled(loss, case, scale).backward()
         finite = engine.prepare_step(optimizer, scale)
         assert finite
-        if case.clip_norm is not None:
-            engine.clip_grad_norm_(optimizer, case.clip_norm)
-        if case.clip_value is not None:
-            engine.clip_grad_value_(optimizer, case.clip_value)
+        clip_with_engine(engine, optimizer, case)
         optimizer.step()
         engine.finish_step(optimizer)
     engine.remove_hooks()

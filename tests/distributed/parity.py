@@ -128,14 +128,19 @@ def train_zero(model: nn.Module, case: Case, rank: int, stage: int, comm: Commun
             context = engine.no_sync() if micro < case.accumulate - 1 else nullcontext()
             with context:
                 (loss_fn(model, tokens, targets) / case.accumulate).backward()
-        if case.clip_norm is not None:
-            engine.clip_grad_norm_(optimizer, case.clip_norm)
-        if case.clip_value is not None:
-            engine.clip_grad_value_(optimizer, case.clip_value)
+        clip_with_engine(engine, optimizer, case)
         optimizer.step()
         engine.finish_step(optimizer)
     engine.remove_hooks()
     return engine
+
+
+def clip_with_engine(engine: ZeroEngine, optimizer: Optimizer, case: Case) -> None:
+    """The case's clipping (by norm, by value, or none) through the engine, on the shards."""
+    if case.clip_norm is not None:
+        engine.clip_grad_norm_(optimizer, case.clip_norm)
+    if case.clip_value is not None:
+        engine.clip_grad_value_(optimizer, case.clip_value)
 
 
 def train_reordered(model: nn.Module, case: Case, world_size: int) -> nn.Module:
