@@ -41,6 +41,7 @@ from lightning_zero.checkpoint import (
     save_sharded,
 )
 from lightning_zero.config import START_METHODS, Offload, ZeroConfig
+from lightning_zero.core import shard_state
 from lightning_zero.core.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.engine import ZeroEngine
@@ -407,7 +408,7 @@ class ZeroStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self._sharded_checkpoints:
             return {}  # save_checkpoint writes each rank's part of it
-        state = self._require_engine().full_optimizer_state_dict(unwrap_optimizer(optimizer))
+        state = shard_state.full_optimizer_state_dict(self._require_engine(), unwrap_optimizer(optimizer))
         return state if self.is_global_zero else {}
 
     @override
@@ -417,7 +418,7 @@ class ZeroStrategy(ParallelStrategy):
             load_sharded_optimizers(engine, checkpoint[_SHARDED_KEY])
             return
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            engine.load_full_optimizer_state_dict(unwrap_optimizer(optimizer), state)
+            shard_state.load_full_optimizer_state_dict(engine, unwrap_optimizer(optimizer), state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:

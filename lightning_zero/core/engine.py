@@ -27,7 +27,6 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -41,7 +40,7 @@ from lightning_zero.core.flat_buffer import FlatParamBuffer, MasterPiece
 from lightning_zero.core.layout import Piece, plan_buckets
 from lightning_zero.core.memory import MemoryReport, tensor_nbytes
 from lightning_zero.core.mixed_precision import PrecisionPolicy
-from lightning_zero.core.optim_state import gather_param_states, is_scalar_state, shard_param_state
+from lightning_zero.core.optim_state import shard_param_state
 from lightning_zero.core.prefetch import Prefetcher
 from lightning_zero.core.stage1 import FullGradBucket
 from lightning_zero.core.stage2 import ShardGradBucket
@@ -51,7 +50,7 @@ _BUCKET_TYPES: dict[int, type[GradBucket]] = {1: FullGradBucket, 2: ShardGradBuc
 
 
 @dataclass
-class _Binding:
+class OptimizerBinding:
     """One user optimizer and the buckets that hold its parameters."""
 
     optimizer: Optimizer
@@ -87,7 +86,7 @@ class ZeroEngine:
         # Where sharded tensors and small control tensors (used-flags, norms) live; NCCL needs the GPU.
         self.device = device or next(module.parameters(), torch.empty(0)).device
         self.names = {param: name for name, param in module.named_parameters()}
-        self.bindings = [_Binding(opt, [list(g["params"]) for g in opt.param_groups]) for opt in optimizers]
+        self.bindings = [OptimizerBinding(opt, [list(g["params"]) for g in opt.param_groups]) for opt in optimizers]
         self._check_optimizers()
         self._agree_across_ranks()
         if config.stage < 3:
@@ -215,7 +214,7 @@ class ZeroEngine:
     def _unit_of(self, buffer: FlatParamBuffer) -> GatherUnit | None:
         return next((unit for unit in self.units if any(b is buffer for b in unit.buffers)), None)
 
-    def _bind_optimizer(self, binding: _Binding) -> None:
+    def _bind_optimizer(self, binding: OptimizerBinding) -> None:
         """Replace each param group's params by this rank's pieces, slicing any existing state."""
         piece_of = {
             param: (buffer, index)
@@ -281,7 +280,7 @@ class ZeroEngine:
     def finish_step(self, optimizer: Optimizer, stepped: bool = True) -> None:
         """After ``optimizer`` updated this rank's shard (``stepped``): round masters into it and all-gather it
         (stages 1 and 2). Drops the fp32 step gradients either way."""
-        binding = self._binding(optimizer)
+        binding = self.binding(optimizer)
         self.drop_step_grads(optimizer, keep_clipped=stepped)
         if stepped:
             for bucket in binding.buckets:
@@ -313,7 +312,7 @@ class ZeroEngine:
         At stage 3 a buffer may hold the parameters of several optimizers; only this one's are returned.
         """
         own = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for bucket in self._binding(optimizer).buckets:
+        for bucket in self.binding(optimizer).buckets:
             buffer = bucket.buffer
             live = [
                 (piece, master_piece)
@@ -453,46 +452,6 @@ class ZeroEngine:
             unit.reshard()
 
     # ------------------------------------------------------------------ state
-    def full_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The state dict ``optimizer`` would have without sharding (collective; every rank gets it)."""
-        binding = self._binding(optimizer)
-        full_state: dict[nn.Parameter, dict[str, Any]] = {}
-        for bucket in binding.buckets:
-            pieces = [dict(optimizer.state.get(p, {})) for p in bucket.buffer.piece_params]
-            for param, state in zip(
-                bucket.buffer.params, gather_param_states(bucket.buffer, pieces, self.comm), strict=True
-            ):
-                if state:
-                    full_state[param] = state
-        index = {p: i for i, p in enumerate(p for group in binding.groups for p in group)}
-        groups = []
-        for group, params in zip(optimizer.param_groups, binding.groups, strict=True):
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [index[p] for p in params]})
-        return {"state": {index[p]: s for p, s in full_state.items()}, "param_groups": groups}
-
-    def load_full_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        """Load an ordinary (unsharded) optimizer state dict into ``optimizer``'s pieces."""
-        binding = self._binding(optimizer)
-        saved_groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved_groups] != [len(g) for g in binding.groups]:
-            raise ValueError(
-                f"the checkpoint's optimizer has param groups of sizes {[len(g['params']) for g in saved_groups]}, "
-                f"this one {[len(g) for g in binding.groups]}: the model or configure_optimizers() differs."
-            )
-        by_index = dict(enumerate(p for group in binding.groups for p in group))
-        saved_state = {by_index[int(i)]: s for i, s in state_dict["state"].items()}
-        for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        optimizer.state.clear()
-        for bucket in binding.buckets:
-            buffer = bucket.buffer
-            for piece, piece_param in zip(buffer.pieces, buffer.piece_params, strict=True):
-                param = buffer.params[piece.slot]
-                if param in saved_state:
-                    shape = buffer.layout.slots[piece.slot].shape
-                    state = shard_param_state(saved_state[param], piece, shape, self.names[param])
-                    optimizer.state[piece_param] = {k: _to_device(v, piece_param.device) for k, v in state.items()}
-
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state this rank holds now."""
         managed = {p for b in self.buffers for p in b.params}
@@ -514,7 +473,8 @@ class ZeroEngine:
         )
 
     # ------------------------------------------------------------------ helpers
-    def _binding(self, optimizer: Optimizer) -> _Binding:
+    def binding(self, optimizer: Optimizer) -> OptimizerBinding:
+        """The buckets and original param groups of ``optimizer``."""
         for binding in self.bindings:
             if binding.optimizer is optimizer:
                 return binding
@@ -537,8 +497,3 @@ def _norm_params(module: nn.Module) -> set[nn.Parameter]:
     needs its weight in their dtype, so a 16-bit policy leaves these parameters in fp32 (as FSDP's mixed precision
     does): the optimizer updates them directly, without a master."""
     return {p for m in module.modules() if isinstance(m, _BatchNorm) for p in m.parameters(recurse=False)}
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    """Element-wise state goes to the parameter's device; scalars stay where the optimizer keeps them."""
-    return value if is_scalar_state(value) else value.to(device)

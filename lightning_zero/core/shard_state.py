@@ -6,6 +6,9 @@ each rank owns (see [Note: flat layout]); any other tensor (a module buffer, a p
 holds, e.g. a frozen one at stages 1 and 2) is owned whole by rank 0. Optimizer state follows the
 parameters: each rank has the element-wise state of exactly its ranges, plus the scalar state (``step``).
 
+:func:`full_optimizer_state_dict` / :func:`load_full_optimizer_state_dict` convert an optimizer's sharded state
+to and from the ordinary (unsharded) torch form of a full checkpoint.
+
 Nothing here reads or writes files: :func:`tensor_specs`, :func:`collect_rank_state` and
 :func:`load_params` / :func:`load_optimizer` take plain data and a ``read`` callable.
 """
@@ -16,11 +19,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.flat_buffer import FlatParamBuffer
-from lightning_zero.core.optim_state import is_scalar_state
+from lightning_zero.core.optim_state import gather_param_states, is_scalar_state, shard_param_state
 
 # read(section, name, start, end) -> 1D tensor of elements [start, end) of the flattened tensor ``name``;
 # ``section`` is "params" or (optimizer index, state key).
@@ -152,3 +156,50 @@ def scalar_states(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
         out[name] = {k: v for k, v in values.items() if is_scalar_state(v)}
         out[name]["__tensor_keys__"] = sorted(k for k, v in values.items() if not is_scalar_state(v))
     return out
+
+
+def full_optimizer_state_dict(engine: ZeroEngine, optimizer: Optimizer) -> dict[str, Any]:
+    """The state dict ``optimizer`` would have without sharding (collective; every rank gets it)."""
+    binding = engine.binding(optimizer)
+    full_state: dict[nn.Parameter, dict[str, Any]] = {}
+    for bucket in binding.buckets:
+        pieces = [dict(optimizer.state.get(p, {})) for p in bucket.buffer.piece_params]
+        for param, state in zip(
+            bucket.buffer.params, gather_param_states(bucket.buffer, pieces, engine.comm), strict=True
+        ):
+            if state:
+                full_state[param] = state
+    index = {p: i for i, p in enumerate(p for group in binding.groups for p in group)}
+    groups = []
+    for group, params in zip(optimizer.param_groups, binding.groups, strict=True):
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [index[p] for p in params]})
+    return {"state": {index[p]: s for p, s in full_state.items()}, "param_groups": groups}
+
+
+def load_full_optimizer_state_dict(engine: ZeroEngine, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load an ordinary (unsharded) optimizer state dict into ``optimizer``'s pieces."""
+    binding = engine.binding(optimizer)
+    saved_groups = state_dict["param_groups"]
+    if [len(g["params"]) for g in saved_groups] != [len(g) for g in binding.groups]:
+        raise ValueError(
+            f"the checkpoint's optimizer has param groups of sizes {[len(g['params']) for g in saved_groups]}, "
+            f"this one {[len(g) for g in binding.groups]}: the model or configure_optimizers() differs."
+        )
+    by_index = dict(enumerate(p for group in binding.groups for p in group))
+    saved_state = {by_index[int(i)]: s for i, s in state_dict["state"].items()}
+    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    optimizer.state.clear()
+    for bucket in binding.buckets:
+        buffer = bucket.buffer
+        for piece, piece_param in zip(buffer.pieces, buffer.piece_params, strict=True):
+            param = buffer.params[piece.slot]
+            if param in saved_state:
+                shape = buffer.layout.slots[piece.slot].shape
+                state = shard_param_state(saved_state[param], piece, shape, engine.names[param])
+                optimizer.state[piece_param] = {k: _to_device(v, piece_param.device) for k, v in state.items()}
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """Element-wise state goes to the parameter's device; scalars stay where the optimizer keeps them."""
+    return value if is_scalar_state(value) else value.to(device)

@@ -446,7 +446,9 @@ def _checkpoint_between_stages(save_stage: int, load_stage: int) -> dict[str, fl
     load_sharded_params(engines[1], checkpoint)
     load_sharded_optimizers(engines[1], checkpoint)
     states = [engine.full_state_dict(keep=True) for engine in engines]
-    optimizer_states = [e.full_optimizer_state_dict(o)["state"] for e, o in zip(engines, optimizers, strict=True)]
+    optimizer_states = [
+        shard_state.full_optimizer_state_dict(e, o)["state"] for e, o in zip(engines, optimizers, strict=True)
+    ]
     frozen = {name for name, p in initial.named_parameters() if not p.requires_grad}
     trainable = [{k: v for k, v in state.items() if k not in frozen} for state in states]
     return {

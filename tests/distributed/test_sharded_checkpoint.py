@@ -64,9 +64,11 @@ def _train(engine: Any, steps: int, rank: int) -> None:
 
 
 def _full_state(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from lightning_zero.core import shard_state
+
     with engine.gathered():
         params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    return params, engine.full_optimizer_state_dict(engine.bindings[0].optimizer)
+    return params, shard_state.full_optimizer_state_dict(engine, engine.bindings[0].optimizer)
 
 
 def _error_of(fn: Any) -> str:
