@@ -105,10 +105,10 @@ from torch import Tensor, nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from examples.gpt import DEFAULT_DATA, GPT, GPTConfig, gpt_config_for_params  # noqa: E402
-from lightning_zero.config import ZeroConfig  # noqa: E402
 from lightning_zero.core.comm import Communicator  # noqa: E402
 from lightning_zero.core.engine import ZeroEngine  # noqa: E402
 from lightning_zero.core.mixed_precision import PrecisionPolicy  # noqa: E402
+from lightning_zero.core.options import EngineOptions  # noqa: E402
 
 BF16 = "_bf16"  # suffix of the bf16-mixed systems
 SYSTEMS = (
@@ -349,7 +349,7 @@ class ZeroSystem(System):
         self._setup(name, args)
         self.model = make_model(cfg, args.seed).to(self.device)
         self.optimizer = make_adamw(self.model, args.lr)
-        config = ZeroConfig(stage=int(base_system(name)[-1]), bucket_cap_mb=args.bucket_cap_mb)
+        config = EngineOptions(stage=int(base_system(name)[-1]), bucket_cap_mb=args.bucket_cap_mb)
         self.policy = PrecisionPolicy(torch.bfloat16, torch.float32, torch.float32) if self.bf16 else None
         self.engine = ZeroEngine(
             self.model, [self.optimizer], config, Communicator(group), device=self.device, precision=self.policy
@@ -359,26 +359,27 @@ class ZeroSystem(System):
     def step(self, x: Tensor, y: Tensor) -> dict[str, float]:
         device = self.device
         t0 = now(device)
+        self.engine.begin_iteration()  # what ZeroStrategy runs before each training_step (one small all-reduce)
+        t1 = now(device)
         self.optimizer.zero_grad()
         with self.forward_context():
             loss = _loss(self.model, x, y)
-        t1 = now(device)
-        loss.backward()  # hooks fill the buckets; reduce-scatters overlap backward and are waited for at its end
         t2 = now(device)
-        self.engine.prepare_step(self.optimizer)  # bf16: fp32 gradients for the masters; fp32: a no-op
+        loss.backward()  # hooks fill the buckets; reduce-scatters overlap backward and are waited for at its end
+        self.engine.finish_backward()  # a no-op here: every rank's backward reached the hooks
         t3 = now(device)
-        self.optimizer.step()
+        self.engine.prepare_step(self.optimizer)  # bf16: fp32 gradients for the masters; fp32: the held ones
         t4 = now(device)
-        self.engine.finish_step(self.optimizer)  # all-gather of the updated parameters
+        self.optimizer.step()  # the step window, then masters rounded and (stages 1, 2) the new shards gathered
         t5 = now(device)
         stats = self.engine.last_step_comm
         self.last_comm = {"nbytes": stats.nbytes, "calls": stats.calls, "by_op": dict(stats.by_op)}
         return {
-            "forward": t1 - t0,
-            "backward": t2 - t1,
-            "prepare_step": t3 - t2,
-            "optimizer": t4 - t3,
-            "finish_step": t5 - t4,
+            "begin_iteration": t1 - t0,
+            "forward": t2 - t1,
+            "backward": t3 - t2,
+            "prepare_step": t4 - t3,
+            "optimizer": t5 - t4,
         }
 
     def memory(self) -> dict[str, int]:

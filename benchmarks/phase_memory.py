@@ -68,9 +68,7 @@ def phase_peaks(rank: int, world_size: int, args: argparse.Namespace, name: str)
         peaks["prepare_step"] = _status_mib("VmHWM") - start
         peaks["prepare_step/end"] = _status_mib("VmRSS") - start
         _reset_peak()
-        system.optimizer.step()
-        if engine is not None:
-            engine.finish_step(system.optimizer)
+        system.optimizer.step()  # ZeRO: the step window, the masters rounded and the new shards gathered
         peaks["step"] = _status_mib("VmHWM") - start
         peaks["step/end"] = _status_mib("VmRSS") - start
         steps.append(peaks)

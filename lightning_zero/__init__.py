@@ -5,6 +5,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_zero.checkpoint import consolidate
 from lightning_zero.core.memory import MemoryReport
 from lightning_zero.estimate import MemoryEstimate, estimate_memory
+from lightning_zero.loading import load_from_checkpoint
 from lightning_zero.monitor import ZeroMonitor
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.strategy import ZeroStrategy
@@ -19,6 +20,7 @@ __all__ = [
     "__version__",
     "consolidate",
     "estimate_memory",
+    "load_from_checkpoint",
 ]
 
 ZeroStrategy.register_strategies(StrategyRegistry)

@@ -1,7 +1,7 @@
 """ZeroConfig: every ZeroStrategy option in one frozen dataclass, checked once at construction.
 
-This module imports nothing but the standard library so that every layer (the Lightning glue, the
-checkpoint code and the sharding core) can share one option type.
+The Lightning glue reads all of it; the sharding core gets only :meth:`ZeroConfig.engine_options`, so it never
+sees the options that are the glue's alone (``state_dict_type``, ``timeout``, ...).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import importlib
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
+
+from lightning_zero.core.options import EngineOptions, describe_policy
 
 Offload = Literal[False, "cpu", "nvme"]
 
@@ -99,12 +101,16 @@ class ZeroConfig:
     def bucket_cap_bytes(self) -> int:
         return int(self.bucket_cap_mb * 1024 * 1024)
 
+    def engine_options(self) -> EngineOptions:
+        """What the sharding core needs of these options."""
+        return EngineOptions(self.stage, self.bucket_cap_mb, self.overlap_comm, self.wrap_policy)
+
     def describe(self) -> dict[str, Any]:
         """The options that every rank must agree on, as plain values (for the rank-agreement check)."""
         values = asdict(self)
         values["timeout"] = self.timeout.total_seconds()
-        values["wrap_policy"] = _describe_policy(self.wrap_policy)
-        values["activation_checkpointing"] = _describe_policy(self.activation_checkpointing)
+        values["wrap_policy"] = describe_policy(self.wrap_policy)
+        values["activation_checkpointing"] = describe_policy(self.activation_checkpointing)
         return values
 
 
@@ -137,19 +143,6 @@ def _import_class(name: str, path: str) -> type:
             f"{name}: cannot import the class {path!r}; give its full import path, e.g. 'my_package.model.Block'."
         )
     return found
-
-
-def _describe_policy(policy: Any) -> Any:
-    """A rank-independent description: sets have no stable order across processes, so sort class names."""
-    if policy is None:
-        return None
-    if isinstance(policy, set | frozenset | list | tuple):
-        return sorted(_qualified_name(item) for item in policy)
-    return _qualified_name(policy)
-
-
-def _qualified_name(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[Any, ...], example: str) -> None:

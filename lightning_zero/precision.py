@@ -1,9 +1,10 @@
-"""ZeroPrecision: the precision plugin ZeroStrategy installs; it runs the step around the sharded gradients.
+"""ZeroPrecision: the precision plugin ZeroStrategy installs; it drives the engine from Lightning's hooks.
 
 The dtypes themselves are held by the engine (see [Note: mixed-precision model states] in
-``core/mixed_precision.py``); this plugin picks them from the Trainer's ``precision``, enters autocast for the
-mixed modes, scales the fp16 loss and runs the optimizer step: fp32 gradients for the masters, agreed overflow
-skip, clipping on unscaled gradients, the update, and the masters rounded back into the parameters.
+``core/mixed_precision.py``) and so is every piece of step state (see [Note: the step window] in
+``core/step.py``): this plugin picks the dtypes from the Trainer's ``precision``, enters autocast for the mixed
+modes, has the engine scale the fp16 loss, tells it when a backward is over, routes clipping to it and runs
+``optimizer.step()`` after the closure, as Lightning's AMP plugin does.
 """
 
 from __future__ import annotations
@@ -87,11 +88,8 @@ class ZeroPrecision(Precision):
             if precision == "16-mixed"
             else None
         )
-        self.device_type = "cpu"  # for autocast; the strategy sets its device's type
+        self.device = "cpu"  # the accelerator type, as Lightning's MixedPrecision has it; the strategy sets it
         self._engine: ZeroEngine | None = None
-        # id(optimizer) -> (optimizer, may its step run): its fp32 gradients are made (by clipping or the step)
-        self._prepared: dict[int, tuple[Optimizer, bool]] = {}
-        self._backward_scale: float | None = None  # the loss scale of the last backward (fp16)
 
     @classmethod
     def from_plugin(cls, plugin: Precision) -> ZeroPrecision:
@@ -121,9 +119,11 @@ class ZeroPrecision(Precision):
         return PrecisionPolicy(self.compute_dtype, self.reduce_dtype, torch.float32)
 
     def attach(self, engine: ZeroEngine | None) -> None:
-        """Route clipping and the optimizer step through ``engine`` (``None`` detaches)."""
+        """Drive ``engine`` from Lightning's precision hooks (``None`` detaches); it scales the loss with this plugin's
+        scaler. The engine holds every piece of step state; this plugin keeps none of its own."""
         self._engine = engine
-        self._prepared.clear()
+        if engine is not None:
+            engine.use_loss_scaler(self.scaler)
 
     # ------------------------------------------------------------------ forward
     @override
@@ -142,7 +142,7 @@ class ZeroPrecision(Precision):
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         if self.mixed:
-            with torch.autocast(self.device_type, dtype=self.compute_dtype, cache_enabled=False):
+            with torch.autocast(self.device, dtype=self.compute_dtype, cache_enabled=False):
                 yield
         elif self.precision == "bf16-true":
             with _DtypeContextManager(self.compute_dtype):
@@ -152,17 +152,16 @@ class ZeroPrecision(Precision):
 
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        # A backward changes the held gradients: fp32 ones made for a step that did not come (a clip without a
-        # step) are stale.
-        for optimizer, _ in self._prepared.values():
-            self._require_engine().drop_step_grads(optimizer)
-        self._prepared.clear()
-        if self.scaler is not None:
-            # Every optimizer stepped on this backward's gradients unscales with this scale, even if an earlier
-            # optimizer's step has changed the scale since (manual optimization).
-            self._backward_scale = self.scaler.scale
-            tensor = tensor * self._backward_scale
+        if self._engine is not None:
+            tensor = self._engine.scale_loss(tensor)
         return super().pre_backward(tensor, module)
+
+    @override
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self._engine is not None:
+            # A rank whose loss reached no trainable parameter ran no hook: it joins the end of backward here.
+            self._engine.finish_backward()
+        return super().post_backward(tensor, module)
 
     # ------------------------------------------------------------------ step
     @override
@@ -170,44 +169,31 @@ class ZeroPrecision(Precision):
         self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         # Run forward and backward first, like Lightning's AMP plugin, so that clipping sees the reduced (and
-        # unscaled) gradients and the updated shards are gathered right after the step.
+        # unscaled) gradients; optimizer.step() then runs inside the engine's step window (see [Note: the step
+        # window] in core/step.py).
         closure_result = closure()
-        engine, inner = self._require_engine(), unwrap_optimizer(optimizer)
+        engine, inner = self._engine, unwrap_optimizer(optimizer)
+        if engine is None or not engine.manages(inner):
+            self._after_closure(model, optimizer)
+            return optimizer.step(**kwargs)
         if closure_result is None and model.automatic_optimization:  # training_step returned None: no step
             self._after_closure(model, optimizer)
-            engine.finish_step(inner, stepped=False)
-            self._prepared.pop(id(inner), None)
+            engine.skip_step(inner)
             return closure_result
-        finite = self._prepare(inner)
+        # The step's gradients (fp32, unscaled) exist before on_before_optimizer_step and clipping, as Lightning's
+        # AMP plugin unscales before them.
+        engine.prepare_step(inner)
         self._after_closure(model, optimizer)
-        if finite:
-            optimizer.step(**kwargs)
-        engine.finish_step(inner, stepped=finite)
-        self._prepared.pop(id(inner), None)
-        if self.scaler is not None:
-            self.scaler.update(found_inf=not finite)
+        optimizer.step(**kwargs)
         return closure_result
-
-    def _prepare(self, optimizer: Optimizer) -> bool:
-        """fp32 unscaled gradients for ``optimizer``'s masters and the agreed overflow check, once per step."""
-        if id(optimizer) not in self._prepared:
-            scale = None
-            if self.scaler is not None:
-                scale = self._backward_scale if self._backward_scale is not None else self.scaler.scale
-            self._prepared[id(optimizer)] = (optimizer, self._require_engine().prepare_step(optimizer, scale))
-        return self._prepared[id(optimizer)][1]
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        inner = unwrap_optimizer(optimizer)
-        self._prepare(inner)  # manual optimization clips before step(): unscale first
-        self._require_engine().clip_grad_norm_(inner, clip_val)
+        self._require_engine().clip_grad_norm_(unwrap_optimizer(optimizer), clip_val)
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        inner = unwrap_optimizer(optimizer)
-        self._prepare(inner)
-        self._require_engine().clip_grad_value_(inner, clip_val)
+        self._require_engine().clip_grad_value_(unwrap_optimizer(optimizer), clip_val)
 
     # ------------------------------------------------------------------ checkpoint
     @override

@@ -22,6 +22,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -41,7 +42,6 @@ from lightning_zero.checkpoint import (
     save_sharded,
 )
 from lightning_zero.config import START_METHODS, Offload, ZeroConfig
-from lightning_zero.core import shard_state
 from lightning_zero.core.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.engine import ZeroEngine
@@ -208,46 +208,66 @@ class ZeroStrategy(ParallelStrategy):
         assert self.model is not None
         assert self._comm is not None
         self.accelerator.setup(trainer)
-        self.precision_plugin.device_type = self.root_device.type  # autocast's device
+        self.precision_plugin.device = self.root_device.type  # autocast's device, as Lightning's plugins have it
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self._keep_engine(fitting):
+            self.setup_precision_plugin()
+            return
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if not self._checkpointing_applied:
             apply_activation_checkpointing(self.model, self.config.activation_checkpointing)
             self._checkpointing_applied = True
-        fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
         self._setup_engine(fitting)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def _keep_engine(self, fitting: bool) -> bool:
+        """Evaluation of the module an earlier ``fit`` left sharded keeps that engine (its shards, masters and
+        optimizers: a checkpoint saved now has them). Any other module, or a new ``fit``, first gives the earlier
+        module its full parameters back (from the fp32 masters where there are some)."""
+        engine = self._engine
+        if engine is None:
+            return False
+        if not fitting and engine.module is self.model:
+            engine.register_hooks()
+            self.precision_plugin.attach(engine)
+            return True
+        engine.release()
+        self._engine = None
+        self.precision_plugin.attach(None)
+        return False
+
     def _setup_engine(self, fitting: bool) -> None:
-        """Build the engine that shards the module (or, for evaluation right after fit at stage 3, keep it)."""
+        """Build the engine that shards the module: for training, and at stage 3 for evaluation too (it creates the
+        parameters of a model built in ``configure_model``)."""
         assert self.model is not None
         assert self._comm is not None
-        engine = self._engine
-        if engine is not None and engine.units:  # stage 3, left sharded by an earlier run on this strategy
-            if not fitting and engine.module is self.model:
-                # Evaluation after fit: keep the fit's shards, masters and optimizers (a checkpoint saved now has them).
-                engine.register_hooks()
-                self.precision_plugin.attach(engine)
-                return
-            engine.release_full_params()  # whole again (from the fp32 masters where there are some), sharded anew
-        if fitting or self.config.stage == 3:
-            # Stage 3 shards (and, after configure_model, creates) the parameters for evaluation too.
-            optimizers = [unwrap_optimizer(optimizer) for optimizer in self.optimizers] if fitting else []
-            self._engine = ZeroEngine(
-                self.model,
-                optimizers,
-                self.config,
-                self._comm,
-                device=self.root_device,
-                precision=self.precision_plugin.policy(),
-            )
-            self.precision_plugin.attach(self._engine)
-        else:
+        if not (fitting or self.config.stage == 3):
             ZeroEngine.broadcast_module_states(self.model, self._comm)
+            return
+        optimizers = (
+            [unwrap_optimizer(o) for o in self.optimizers if not isinstance(o, _MockOptimizer)] if fitting else []
+        )
+        engine_keys = set(self.config.engine_options().describe())
+        self._engine = ZeroEngine(
+            self.model,
+            optimizers,
+            self.config.engine_options(),
+            self._comm,
+            device=self.root_device,
+            precision=self.precision_plugin.policy(),
+            loss_scaler=self.precision_plugin.scaler,
+            agree_also=[(k, v) for k, v in sorted(self.config.describe().items()) if k not in engine_keys],
+        )
+        self.precision_plugin.attach(self._engine)
+        if fitting:
+            # Lightning's optimizer wrappers copy their optimizer's class: make them again now that the engine has
+            # given each optimizer a zero_grad that empties the gradient shards (see core/step.py).
+            self.optimizers = self.optimizers
 
     @override
     def model_to_device(self) -> None:
@@ -270,6 +290,9 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._engine is not None:
+            # Whatever an exception in the last iteration left is reset; parameters unfrozen or added to an optimizer
+            # since then are sharded (collective).
+            self._engine.begin_iteration()
             self._engine.sync_buffers()
             # Stage 3: the step may use root-unit parameters without calling the root's forward; the end of
             # backward frees them again.
@@ -394,7 +417,7 @@ class ZeroStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
         if _SHARDED_KEY in checkpoint and self._engine is not None:
-            load_sharded_params(self._engine, checkpoint[_SHARDED_KEY])
+            load_sharded_params(self._engine.named_state(), checkpoint[_SHARDED_KEY])
             return
         if _SHARDED_KEY in checkpoint:  # e.g. validate() at stages 1 and 2: the plain module, in full
             self.lightning_module.load_state_dict(checkpoint[_SHARDED_KEY].full_state_dict(), strict=strict)
@@ -406,19 +429,25 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        inner = unwrap_optimizer(optimizer)
+        if self._engine is None or not self._engine.manages(inner):
+            return inner.state_dict()
         if self._sharded_checkpoints:
             return {}  # save_checkpoint writes each rank's part of it
-        state = shard_state.full_optimizer_state_dict(self._require_engine(), unwrap_optimizer(optimizer))
+        state = self._engine.full_optimizer_state_dict(inner)  # collective
         return state if self.is_global_zero else {}
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        managed = [o for o in map(unwrap_optimizer, self.optimizers) if self._engine and self._engine.manages(o)]
+        if not managed:
+            return  # nothing to load (e.g. configure_optimizers returned None)
         engine = self._require_engine()
         if _SHARDED_KEY in checkpoint:
-            load_sharded_optimizers(engine, checkpoint[_SHARDED_KEY])
+            load_sharded_optimizers(engine.named_state(), checkpoint[_SHARDED_KEY])
             return
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            shard_state.load_full_optimizer_state_dict(engine, unwrap_optimizer(optimizer), state)
+        for optimizer, state in zip(managed, checkpoint["optimizer_states"], strict=True):
+            engine.load_full_optimizer_state_dict(optimizer, state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -430,7 +459,15 @@ class ZeroStrategy(ParallelStrategy):
         extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         assert self._engine is not None
         with_optimizers = "optimizer_states" in checkpoint  # absent for save_checkpoint(weights_only=True)
-        save_sharded(self._engine, filepath, extra, __version__, self.precision_plugin.precision, with_optimizers)
+        save_sharded(
+            self._engine.named_state(),
+            filepath,
+            extra,
+            __version__,
+            self.precision_plugin.precision,
+            with_optimizers,
+            partition=self.config.partition,
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -455,10 +492,21 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         # The engine stays (without hooks) so memory_report(), save_checkpoint() and gathered_params() work after
-        # fit. A stage-3 module stays sharded: gathering it here could exceed a rank's memory.
+        # fit. A stage-3 module stays sharded where it is: gathering it here could exceed a rank's memory, and its
+        # parameters hold no values to move (Lightning's teardown moves the module to the CPU; this one does the
+        # rest of what Lightning's does).
         if self._engine is not None:
             self._engine.remove_hooks()
-        super().teardown()
+        if self._engine is None or not self._engine.units:
+            super().teardown()
+            return
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     @classmethod
     @override

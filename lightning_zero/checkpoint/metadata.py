@@ -55,6 +55,12 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
     """Read and check ``metadata.json`` and that every rank file is there."""
     directory = Path(directory)
     where = f"checkpoint '{directory}'"
+    if directory.is_file():
+        raise CheckpointError(
+            f"{where} is a file, not a sharded checkpoint directory: it is an ordinary checkpoint. Open it with "
+            "Model.load_from_checkpoint(path) (or lightning_zero.load_from_checkpoint(Model, path)), resume with "
+            "trainer.fit(model, ckpt_path=path), or read it with torch.load."
+        )
     if not directory.is_dir():
         raise CheckpointError(f"{where} is not a directory: pass the directory that a sharded save wrote.")
     path = directory / METADATA_FILE

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_zero.checkpoint import state as named
 from lightning_zero.checkpoint.metadata import (
     LIGHTNING_FILE,
     CheckpointError,
@@ -31,38 +32,38 @@ from lightning_zero.checkpoint.metadata import (
     read_metadata,
     write_metadata,
 )
-from lightning_zero.core import shard_state
 from lightning_zero.core.comm import Communicator
-from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.named_state import NamedState
 
 
 def save_sharded(
-    engine: ZeroEngine,
+    state: NamedState,
     path: str | Path,
     extra: dict[str, Any],
     version: str,
     precision: str = "32-true",
     optimizers: bool = True,
+    partition: str = "flat",
 ) -> None:
-    """Write ``engine``'s shards (optimizer state too with ``optimizers``) and rank 0's ``extra`` to the directory
+    """Write an engine's shards (optimizer state too with ``optimizers``) and rank 0's ``extra`` to the directory
     ``path`` (collective)."""
-    comm = engine.comm
+    comm = state.comm
     path = Path(path)
     token = comm.all_gather_object(uuid.uuid4().hex[:12] if comm.rank == 0 else None)[0]
     tmp = path.with_name(f"{path.name}.tmp-{token}")
     tmp.mkdir(parents=True, exist_ok=True)
-    state = shard_state.collect_rank_state(engine, optimizers)
-    torch.save({"rank": comm.rank, "world_size": comm.world_size, **state}, tmp / rank_file(comm.rank))
+    rank_state = named.collect_rank_state(state, comm.rank, optimizers)
+    torch.save({"rank": comm.rank, "world_size": comm.world_size, **rank_state}, tmp / rank_file(comm.rank))
     if comm.rank == 0:
         metadata = build_metadata(
             version=version,
             world_size=comm.world_size,
-            stage=engine.config.stage,
-            partition=engine.config.partition,
+            stage=state.stage,
+            partition=partition,
             precision=precision,
-            tensors=shard_state.tensor_specs(engine),
-            state_dict_keys=shard_state.state_dict_keys(engine),
-            optimizers=shard_state.optimizer_groups(engine) if optimizers else [],
+            tensors=named.tensor_specs(state),
+            state_dict_keys=state.state_dict_keys(),
+            optimizers=state.optimizer_param_names() if optimizers else [],
         )
         torch.save(extra, tmp / LIGHTNING_FILE)
         write_metadata(tmp, metadata)  # last: a directory without it is never taken for a checkpoint
@@ -180,7 +181,7 @@ class ShardedCheckpoint:
                     continue
                 state = self.rank_data(ranges[0][0])["optimizers"][index]["state"].get(name)
                 if state:
-                    scalars[name] = shard_state.scalar_states({name: state})[name]
+                    scalars[name] = named.scalar_states({name: state})[name]
         return scalars
 
     def full_state_dict(self) -> dict[str, Tensor]:
@@ -201,13 +202,14 @@ class ShardedCheckpoint:
         return self.rank_data(0)["optimizers"][index]["param_groups"]
 
 
-def load_sharded_params(engine: ZeroEngine, checkpoint: ShardedCheckpoint) -> None:
-    check_same_model(checkpoint.metadata, shard_state.tensor_specs(engine), checkpoint.where)
-    shard_state.load_params(engine, checkpoint.tensors, checkpoint.read)
+def load_sharded_params(state: NamedState, checkpoint: ShardedCheckpoint) -> None:
+    check_same_model(checkpoint.metadata, named.tensor_specs(state), checkpoint.where)
+    named.load_params(state, checkpoint.read)
 
 
-def load_sharded_optimizers(engine: ZeroEngine, checkpoint: ShardedCheckpoint) -> None:
-    check_same_optimizers(checkpoint.metadata, shard_state.optimizer_groups(engine), checkpoint.where)
-    for index in range(len(engine.bindings)):
-        saved = {"param_groups": checkpoint.param_groups(index)}
-        shard_state.load_optimizer(engine, index, saved, checkpoint.optimizer_scalars(index), checkpoint.read)
+def load_sharded_optimizers(state: NamedState, checkpoint: ShardedCheckpoint) -> None:
+    check_same_optimizers(checkpoint.metadata, state.optimizer_param_names(), checkpoint.where)
+    for index in range(len(state.optimizer_param_names())):
+        named.load_optimizer(
+            state, index, checkpoint.param_groups(index), checkpoint.optimizer_scalars(index), checkpoint.read
+        )

@@ -4,19 +4,28 @@
 Buckets are reduced in a fixed order (their index, roughly reverse registration order, which is
 roughly backward order), whatever order their gradients arrive in: bucket ``i`` is launched only
 after buckets ``0..i-1``. Ranks whose graphs differ (a parameter unused on one rank) therefore still
-issue the same collectives in the same order. At the end of a reducing backward every bucket is
+issue the same collectives in the same order. At the end of every reducing backward every bucket is
 launched, complete or not (missing gradients count as zero), as DDP does, followed by one small
-all-reduce of which parameters got a gradient on any rank in this pass.
+all-reduce of which parameters got a gradient on any rank in this pass. A rank whose backward reached
+no trainable parameter at all fires no hook; it still runs this end of backward when the caller says
+the backward is over (``ZeroEngine.finish_backward``, which the Lightning glue calls after every backward).
 
 [Note: gradient liveness]
-torch's contract is that gradients accumulate until ``zero_grad``. The optimizer sees the reduced
-gradient through its pieces (see [Note: parameter views and optimizer pieces]); ``zero_grad`` sets a
-piece's ``grad`` to ``None`` or zeroes it in place, at any time, e.g. between the backward passes of
-two optimizers. So a bucket looks at its pieces each time it folds a new reduction into its storage:
-a piece whose ``grad`` is ``None`` holds nothing and is overwritten, a live one is added to. After
-each reducing pass a piece gets ``grad`` = its slice of the reduced shard, unless its parameter got no
-gradient on any rank in the pass and it held none before: then it stays ``None`` and the optimizer
-skips it, as DDP leaves a globally unused parameter's gradient untouched.
+torch's contract is that gradients accumulate until ``zero_grad``. A bucket holds, per parameter, the
+reduced gradient of this rank's piece and whether it is live (what the optimizer would see as ``grad``).
+``optimizer.zero_grad()`` empties (``set_to_none``) or zeroes the live gradients of its parameters, at
+any time, e.g. between the backward passes of two optimizers. Each time a bucket folds a new reduction
+in, a gradient that is not live is overwritten and a live one is added to. After each reducing pass a
+parameter's gradient is live unless it got no gradient on any rank in the pass and held none before:
+then it stays empty and the optimizer skips the parameter, as DDP leaves a globally unused parameter's
+gradient untouched.
+
+[Note: bucket state]
+A bucket is ``IDLE`` between backward passes, ``FILLING`` once a gradient of the current pass arrived, and
+``LAUNCHED`` while its reduction is in flight; the end of backward folds the result in and makes it
+``IDLE`` again. A pass that raised leaves a bucket ``FILLING`` or ``LAUNCHED``: :meth:`GradBucket.reset`
+(run by ``ZeroEngine.begin_iteration``) waits for its reduction and drops what the failed pass added, so the
+next pass starts clean and the gradients held before it are kept.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from enum import Enum, auto
 from functools import partial
 
 import torch
@@ -31,8 +41,15 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core.comm import Communicator, Work
-from lightning_zero.core.flat_buffer import FlatParamBuffer, ShardPiece
-from lightning_zero.core.layout import Piece
+from lightning_zero.core.flat_buffer import FlatParamBuffer
+
+
+class BucketState(Enum):
+    """Where a bucket is in a backward pass. See [Note: bucket state]."""
+
+    IDLE = auto()
+    FILLING = auto()
+    LAUNCHED = auto()
 
 
 class GradBucket(ABC):
@@ -47,24 +64,42 @@ class GradBucket(ABC):
         # The dtype of the sum across ranks; the held gradient keeps the parameters' (see [Note: mixed-precision
         # model states]).
         self.reduce_dtype = reduce_dtype or buffer.data.dtype
+        self.state = BucketState.IDLE
+        self.live = [False] * len(buffer.params)  # per parameter: holds a reduced gradient (see gradient liveness)
         self.locally_used = [False] * len(buffer.params)  # got a gradient here since the last reduction
         self._arrived = [False] * len(buffer.params)  # got a gradient in the current backward pass
         self._missing = len(buffer.params)
-        self._launched = False
         self._work: Work | None = None
 
     @property
     def ready(self) -> bool:
         return self._missing == 0
 
+    def held(self, slot: int) -> Tensor | None:
+        """The live reduced gradient of parameter ``slot``'s piece, or ``None``."""
+        return self.buffer.owned(self.shard_grad, slot) if self.live[slot] else None
+
+    def clear(self, slots: Sequence[int], set_to_none: bool) -> None:
+        """``zero_grad`` for parameters ``slots``: empty their gradients, or zero them and keep them live."""
+        for slot in slots:
+            if not self.live[slot]:
+                continue
+            if set_to_none:
+                self.live[slot] = False
+            else:
+                self.buffer.owned(self.shard_grad, slot).zero_()
+
     def add_grad(self, slot: int, grad: Tensor) -> None:
-        if self._launched:
+        if self.state is BucketState.LAUNCHED:
             raise RuntimeError(
                 f"a parameter of shape {self.buffer.layout.slots[slot].shape} received a second gradient after "
                 "its bucket was reduced in this backward pass. Reentrant backward calls inside one pass (e.g. "
                 "reentrant activation checkpointing) are not supported; use torch.utils.checkpoint with "
                 "use_reentrant=False."
             )
+        if self.state is BucketState.IDLE:
+            self._begin_filling()
+            self.state = BucketState.FILLING
         self._accumulate(slot, grad)
         self.locally_used[slot] = True
         if not self._arrived[slot]:
@@ -73,7 +108,9 @@ class GradBucket(ABC):
 
     def launch(self) -> None:
         """Start the asynchronous reduce-scatter of this bucket."""
-        self._launched = True
+        if self.state is BucketState.IDLE:
+            self._begin_filling()
+        self.state = BucketState.LAUNCHED
         self._start_reduce()
 
     def wait(self) -> None:
@@ -84,25 +121,35 @@ class GradBucket(ABC):
             self._release_staging()
 
     def finish(self, globally_used: Sequence[bool]) -> None:
-        """Fold the reduction in and hand it to the pieces. See [Note: gradient liveness]."""
+        """Fold the reduction in and mark what is live. See [Note: gradient liveness]."""
         self.wait()
         self._fold_reduction(globally_used)
         self.locally_used = [False] * len(self.buffer.params)
-        self._launched = False
+        self.end_pass()
 
     def end_pass(self) -> None:
         """Forget which gradients arrived in the backward pass that just ended."""
         self._arrived = [False] * len(self.buffer.params)
         self._missing = len(self.buffer.params)
+        self.state = BucketState.IDLE
 
-    def _pieces(self) -> Iterator[tuple[Piece, ShardPiece, Tensor]]:
-        """(piece, its optimizer tensor, its view of ``shard_grad``) for each parameter."""
-        for piece, param in zip(self.buffer.pieces, self.buffer.piece_params, strict=True):
-            yield piece, param, FlatParamBuffer.shard_view(self.shard_grad, piece)
+    def reset(self) -> None:
+        """After a pass that raised: wait for its reduction and drop what it added. See [Note: bucket state]."""
+        if self.state is BucketState.IDLE:
+            return
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._discard_pass()
+        self.end_pass()
 
     def _slot_view(self, flat: Tensor, slot: int) -> Tensor:
         entry = self.buffer.layout.slots[slot]
         return flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
+
+    @abstractmethod
+    def _begin_filling(self) -> None:
+        """The first gradient of a pass (or a launch without any) is about to arrive."""
 
     @abstractmethod
     def _accumulate(self, slot: int, grad: Tensor) -> None:
@@ -118,6 +165,10 @@ class GradBucket(ABC):
     @abstractmethod
     def _fold_reduction(self, globally_used: Sequence[bool]) -> None: ...
 
+    @abstractmethod
+    def _discard_pass(self) -> None:
+        """Drop the local gradients and reduction of a pass that did not finish."""
+
     @property
     @abstractmethod
     def nbytes(self) -> int:
@@ -128,14 +179,16 @@ _IN_FLIGHT = 2  # bucket reductions allowed in flight while backward runs
 
 
 class GradReducer:
-    """Drives buckets through backward: gradient hooks, launch order and the end-of-backward flush.
+    """Drives buckets through backward: gradient hooks, launch order and the end-of-backward reduction.
 
     Args:
         buckets: in launch order (see [Note: bucket order]).
         comm: the shard group.
         overlap_comm: launch a bucket's reduction as soon as it is complete instead of after backward.
-        reduce_every_backward: stage 2 reduces in every backward; stage 1 only in backward passes that are
+        reduce_every_backward: stages 2 and 3 reduce in every backward; stage 1 only in backward passes that are
             not inside :meth:`no_sync` (gradient accumulation keeps full local gradients instead).
+        on_backward_event: called from every gradient hook (the engine queues its end-of-backward call).
+        on_bucket_ready: called with a bucket's index once all its gradients of the pass arrived.
     """
 
     def __init__(
@@ -144,18 +197,17 @@ class GradReducer:
         comm: Communicator,
         overlap_comm: bool,
         reduce_every_backward: bool,
+        on_backward_event: Callable[[], None],
         on_bucket_ready: Callable[[int], None] | None = None,
-        on_backward_end: Callable[[], None] | None = None,
     ) -> None:
         self.buckets = list(buckets)
         self.comm = comm
         self.overlap_comm = overlap_comm
         self.reduce_every_backward = reduce_every_backward
-        self.on_bucket_ready = on_bucket_ready  # a bucket got all its gradients in this pass (stage 3 frees)
-        self.on_backward_end = on_backward_end  # after the reductions of a pass finished
+        self.on_backward_event = on_backward_event
+        self.on_bucket_ready = on_bucket_ready
         self._sync = True
         self._next_launch = 0
-        self._callback_queued = False
         self._handles: list[RemovableHandle] = []
         self.register_hooks()
 
@@ -168,6 +220,11 @@ class GradReducer:
                 hook = partial(self._on_grad, bucket_index, slot)
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate locally (stage 1) instead of reducing."""
@@ -178,29 +235,19 @@ class GradReducer:
             self._sync = previous
 
     @property
-    def _reducing(self) -> bool:
+    def reducing(self) -> bool:
+        """Whether the backward pass now running (or about to run) reduces."""
         return self._sync or self.reduce_every_backward
 
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def ensure_end_callback(self) -> None:
-        """Make sure the end-of-backward flush runs after the backward pass in progress."""
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-            self._callback_queued = True
-
     def _on_grad(self, bucket_index: int, slot: int, param: nn.Parameter) -> None:
-        self.ensure_end_callback()
+        self.on_backward_event()
         assert param.grad is not None
         bucket = self.buckets[bucket_index]
         bucket.add_grad(slot, param.grad)
         param.grad = None
         if bucket.ready and self.on_bucket_ready is not None:
             self.on_bucket_ready(bucket_index)
-        if self._reducing and self.overlap_comm:
+        if self.reducing and self.overlap_comm:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -211,20 +258,28 @@ class GradReducer:
             if self._next_launch > _IN_FLIGHT:
                 self.buckets[self._next_launch - 1 - _IN_FLIGHT].wait()
 
-    def _on_backward_end(self) -> None:
-        self._callback_queued = False
-        # A backward through frozen stage-3 units only (no trainable bucket) has nothing to reduce.
-        if self._reducing and self.buckets:
-            for bucket in self.buckets[self._next_launch :]:
-                bucket.launch()
-            globally_used = self._agree_on_used()
-            for bucket, used in zip(self.buckets, globally_used, strict=True):
+    def launch_remaining(self) -> None:
+        """End of a reducing backward: launch every bucket not launched yet, in order, without waiting."""
+        if not self.reducing:
+            return
+        for bucket in self.buckets[self._next_launch :]:
+            bucket.launch()
+        self._next_launch = len(self.buckets)
+
+    def finish(self) -> None:
+        """End of backward: agree on which parameters got a gradient and fold every reduction in."""
+        if self.reducing and self.buckets:
+            for bucket, used in zip(self.buckets, self._agree_on_used(), strict=True):
                 bucket.finish(used)
         for bucket in self.buckets:
             bucket.end_pass()
         self._next_launch = 0
-        if self.on_backward_end is not None:
-            self.on_backward_end()
+
+    def reset(self) -> None:
+        """After a pass that raised. See [Note: bucket state]."""
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_launch = 0
 
     def _agree_on_used(self) -> list[list[bool]]:
         """Which parameters got a gradient on any rank since the last reduction, per bucket."""

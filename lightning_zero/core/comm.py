@@ -36,6 +36,13 @@ class CommStats:
         self.calls += 1
         self.by_op[op] = self.by_op.get(op, 0) + nbytes
 
+    def merged(self, other: CommStats) -> CommStats:
+        """The counts of both (e.g. the shard group's and the stage-3 gather group's)."""
+        by_op = dict(self.by_op)
+        for op, nbytes in other.by_op.items():
+            by_op[op] = by_op.get(op, 0) + nbytes
+        return CommStats(self.nbytes + other.nbytes, self.calls + other.calls, by_op)
+
     def reset(self) -> CommStats:
         """Return the counts so far and start again from zero."""
         snapshot = CommStats(self.nbytes, self.calls, dict(self.by_op))
@@ -54,6 +61,17 @@ class Communicator:
         # gloo implements the single-tensor reduce-scatter as a copy plus a full all-reduce (measured 1.8x
         # slower on a 25 MiB bucket, docs/benchmarks.md); its list form is a real reduce-scatter.
         self._list_reduce_scatter = dist.get_backend(group) == "gloo"
+        self._companion: Communicator | None = None
+
+    def companion(self) -> Communicator:
+        """A communicator over the same ranks in a group of its own, created once (collective the first time).
+
+        Collectives are matched in issue order per group, so two independent streams of collectives (stage-3
+        gathers and gradient reductions) each need their own group. See core/groups.py."""
+        if self._companion is None:
+            ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+            self._companion = Communicator(dist.new_group(ranks))
+        return self._companion
 
     def reduce_scatter(self, output: Tensor, input: Tensor, async_op: bool = False) -> Work | None:
         """Sum ``input`` over ranks; this rank receives its ``1/world_size`` part in ``output``."""

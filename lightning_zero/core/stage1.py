@@ -8,6 +8,7 @@ fp32 Adam. After the optimizer updated the shard, the engine all-gathers the par
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -29,10 +30,23 @@ class FullGradBucket(GradBucket):
         self._staging: Tensor | None = None  # the bucket in reduce_dtype while a reduction in a wider dtype runs
         self._carry: Tensor | None = None  # live reduced gradients kept across an accumulation (own segment)
         self._output: Tensor | None = None
-        lo, hi = buffer.layout.shard_bounds(buffer.rank)
+        lo, hi = buffer.bounds
         self.shard_grad = self.full_grad[lo:hi]
         self._reduced = False  # own segment holds an averaged result, the rest was sent away
-        self._live = [False] * len(buffer.params)  # pieces that held a gradient when accumulation restarted
+        self._live_at_restart = [False] * len(buffer.params)  # live when accumulation restarted
+        self._pass_continues_window = False  # the current pass adds to local sums of earlier passes
+
+    def clear(self, slots: Sequence[int], set_to_none: bool) -> None:
+        super().clear(slots, set_to_none)
+        for slot in slots:  # gradients set aside at the restart are cleared too
+            if set_to_none:
+                self._live_at_restart[slot] = False
+            if self._carry is not None:
+                self.buffer.owned(self._carry, slot).zero_()
+
+    def _begin_filling(self) -> None:
+        self._pass_continues_window = any(self.locally_used)
+        self._restart_accumulation()
 
     def _restart_accumulation(self) -> None:
         """Turn a reduced buffer back into a local one, keeping live gradients. See [Note: gradient liveness]."""
@@ -41,21 +55,19 @@ class FullGradBucket(GradBucket):
         # The other segments were spent by the reduction; the own segment holds the average. The live part of
         # it is set aside and added to the next reduction's result (adding it to the local sums instead would
         # need it times world_size, which can overflow fp16); pieces that zero_grad emptied start from zero.
-        self._live = [param.grad is not None for _, param, _ in self._pieces()]
-        if any(self._live):
+        self._live_at_restart = list(self.live)
+        if any(self.live):
             self._carry = self.shard_grad.clone()
-            for (piece, _, _), live in zip(self._pieces(), self._live, strict=True):
+            for slot, live in enumerate(self.live):
                 if not live:
-                    FlatParamBuffer.shard_view(self._carry, piece).zero_()
+                    self.buffer.owned(self._carry, slot).zero_()
         self.full_grad.zero_()
         self._reduced = False
 
     def _accumulate(self, slot: int, grad: Tensor) -> None:
-        self._restart_accumulation()
         self._slot_view(self.full_grad, slot).add_(grad)
 
     def _start_reduce(self) -> None:
-        self._restart_accumulation()
         # Divide before summing, as DDP does, so the result matches it and fp16 sums stay in range.
         if self.reduce_dtype == self.full_grad.dtype:
             self.full_grad.div_(self.comm.world_size)
@@ -71,7 +83,7 @@ class FullGradBucket(GradBucket):
 
     def _fold_reduction(self, globally_used: Sequence[bool]) -> None:
         # The reduction wrote the own segment (in place, or in reduce_dtype to round into it now); live gradients
-        # were folded in beforehand.
+        # were set aside beforehand.
         if self._output is not None:
             self.shard_grad.copy_(self._output)
             self._output = None
@@ -79,8 +91,24 @@ class FullGradBucket(GradBucket):
             self.shard_grad.add_(self._carry)
             self._carry = None
         self._reduced = True
-        for (piece, param, view), live in zip(self._pieces(), self._live, strict=True):
-            param.grad = view if globally_used[piece.slot] or live else None
+        self.live = [used or live for used, live in zip(globally_used, self._live_at_restart, strict=True)]
+        self._live_at_restart = list(self.live)
+
+    def _discard_pass(self) -> None:
+        """Back to the gradients held after the last reduction; local sums of this window are lost."""
+        if self._pass_continues_window:
+            warnings.warn(
+                "a backward pass raised at ZeRO stage 1 during gradient accumulation: the local gradients of the "
+                "earlier micro-batches of this optimizer step are dropped with it (stage 1 sums them in one buffer).",
+                stacklevel=3,
+            )
+        self.full_grad.zero_()
+        if self._carry is not None:
+            self.shard_grad.copy_(self._carry)
+        self._staging = self._output = self._carry = None
+        self.live = list(self._live_at_restart)
+        self.locally_used = [False] * len(self.buffer.params)
+        self._reduced = True
 
     @property
     def nbytes(self) -> int:

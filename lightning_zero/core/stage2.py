@@ -36,6 +36,9 @@ class ShardGradBucket(GradBucket):
             self._shard_grad = torch.zeros_like(self.buffer.shard)
         return self._shard_grad
 
+    def _begin_filling(self) -> None:
+        """Nothing to prepare: the staging buffer is created with the first gradient."""
+
     def _accumulate(self, slot: int, grad: Tensor) -> None:
         self._slot_view(self._staging(), slot).add_(grad)
 
@@ -50,9 +53,7 @@ class ShardGradBucket(GradBucket):
         # Divide before summing, as DDP does, so the result matches it and fp16 sums stay in range.
         staging.div_(self.comm.world_size)
         # When zero_grad emptied every piece (the usual case) the result may land in the shard directly.
-        in_place = self.reduce_dtype == self.buffer.shard.dtype and all(
-            param.grad is None for param in self.buffer.piece_params
-        )
+        in_place = self.reduce_dtype == self.buffer.shard.dtype and not any(self.live)
         self._output = (
             self.shard_grad
             if in_place
@@ -66,8 +67,7 @@ class ShardGradBucket(GradBucket):
     def _fold_reduction(self, globally_used: Sequence[bool]) -> None:
         # See [Note: gradient liveness]: overwrite what zero_grad emptied, add to what is live.
         assert self._output is not None
-        pieces = list(self._pieces())
-        live = [param.grad is not None for _, param, _ in pieces]
+        live = self.live
         if self._output is self.shard_grad:
             pass  # nothing was live, so the reduction wrote the shard in place
         elif all(globally_used) and all(live):
@@ -75,12 +75,15 @@ class ShardGradBucket(GradBucket):
         elif all(globally_used) and not any(live):
             self.shard_grad.copy_(self._output)
         else:
-            for (piece, _, view), was_live in zip(pieces, live, strict=True):
-                if globally_used[piece.slot]:
-                    part = FlatParamBuffer.shard_view(self._output, piece)
+            for slot, (used, was_live) in enumerate(zip(globally_used, live, strict=True)):
+                if used:
+                    view, part = self.buffer.owned(self.shard_grad, slot), self.buffer.owned(self._output, slot)
                     view.add_(part) if was_live else view.copy_(part)
-        for (piece, param, view), was_live in zip(pieces, live, strict=True):
-            param.grad = view if globally_used[piece.slot] or was_live else None
+        self.live = [used or was_live for used, was_live in zip(globally_used, live, strict=True)]
+        self.staging, self._output = None, None
+
+    def _discard_pass(self) -> None:
+        # A reduction written in place only replaced gradients that were not live; nothing else changed.
         self.staging, self._output = None, None
 
     @property

@@ -12,10 +12,11 @@ gather the units inside it.
 [Note: stage-3 life of a unit]
 Forward: a pre-hook gathers the unit; a post-hook frees it again (except the root, whose backward
 follows at once, and except during backward, where activation checkpointing recomputes) and hooks the
-outputs so that the first gradient flowing into them gathers the unit again for its backward. The
-unit is freed as soon as all of its trainable parameters have received their gradient, or at the end
-of backward when it holds frozen parameters (their backward may come later). Gradients go through the
-same buckets as stage 2: one per unit and dtype, reduce-scattered into the shard.
+outputs so that the first gradient flowing into them gathers the unit again for its backward (see
+[Note: stage-3 backward plan]). The unit is freed as soon as all of its trainable parameters have
+received their gradient, or at the end of backward when it holds frozen parameters (their backward may
+come later). Gradients go through the same buckets as stage 2: one per buffer, reduce-scattered into
+the shard. Between uses every parameter rests (see [Note: stage-3 parameters at rest]).
 """
 
 from __future__ import annotations
@@ -25,16 +26,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_leaves
+from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core.comm import Communicator, Work
-from lightning_zero.core.flat_buffer import FlatParamBuffer, ShardedState
-from lightning_zero.core.prefetch import Prefetcher
-
-WrapPolicy = set[type[nn.Module]] | Callable[[nn.Module], bool] | None
+from lightning_zero.core.flat_buffer import ShardedBuffer, ShardedState
+from lightning_zero.core.options import WrapPolicy
+from lightning_zero.core.rest import engine_access
 
 
 def select_units(root: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
@@ -147,44 +145,54 @@ def initialise(root: nn.Module, params: list[nn.Parameter]) -> None:
 
 
 class GatherUnit:
-    """The flat buffers of one unit and the hooks that gather and free them. See [Note: stage-3 life of a unit]."""
+    """The flat buffers of one unit and their gather and free. See [Note: stage-3 life of a unit]."""
 
-    def __init__(self, module: nn.Module, buffers: list[FlatParamBuffer], comm: Communicator, is_root: bool) -> None:
+    def __init__(self, module: nn.Module, name: str, buffers: list[ShardedBuffer], is_root: bool) -> None:
         self.module = module
+        self.name = name  # the module's qualified name, for errors ("<root>" for the root)
         self.buffers = buffers
-        self.comm = comm
         self.is_root = is_root
         self.holds_frozen = any(not p.requires_grad for b in buffers for p in b.params)
-        self.on_backward_start: Callable[[], None] | None = None  # set by the engine
-        self.prefetcher: Prefetcher | None = None  # set by the engine when overlap_comm is on
-        self._pending: list[Work | None] = []  # gathers started ahead of use (prefetch), one per buffer
+        self._pending: list[Work | None] = []  # gathers started and not waited for, one per buffer
         self._handles: list[RemovableHandle] = []
-        self.register_hooks()
 
-    def register_hooks(self) -> None:
-        """Gather and free around the module's forward (again, after :meth:`remove_hooks`)."""
+    def register_hooks(self, pre_forward: Callable[..., Any], post_forward: Callable[..., Any]) -> None:
+        """Call the scheduler around the module's forward (again, after :meth:`remove_hooks`)."""
         if not self._handles:
             self._handles = [
-                self.module.register_forward_pre_hook(self._pre_forward),
-                self.module.register_forward_hook(self._post_forward),
+                self.module.register_forward_pre_hook(UnitHook(pre_forward)),
+                self.module.register_forward_hook(UnitHook(post_forward)),
             ]
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     @property
     def state(self) -> ShardedState:
         return self.buffers[0].state if self.buffers else ShardedState.SHARDED
 
-    def start_unshard(self) -> None:
-        """Start gathering without waiting (prefetch); a no-op when gathered or already started."""
-        if self._pending or self.state is ShardedState.GATHERED:
-            return
-        self._pending = [buffer.start_unshard(self.comm) for buffer in self.buffers]
+    @property
+    def gathered_or_pending(self) -> bool:
+        return bool(self._pending) or self.state is ShardedState.GATHERED
 
-    def unshard(self) -> None:
+    def start_unshard(self, comm: Communicator) -> None:
+        """Start gathering without waiting; a no-op when gathered or already started."""
+        if not self.gathered_or_pending:
+            with engine_access():
+                self._pending = [buffer.start_unshard(comm) for buffer in self.buffers]
+
+    def unshard(self, comm: Communicator) -> None:
         """Make the parameters usable: finish a started gather, or gather now."""
-        if not self._pending and self.state is ShardedState.GATHERED:
-            return
-        self.start_unshard()
-        self._wait_pending()
+        self.start_unshard(comm)
+        self.wait()
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        for work in pending:
+            if work is not None:
+                work.wait()
 
     def write_back(self) -> None:
         for buffer in self.buffers:
@@ -192,39 +200,31 @@ class GatherUnit:
                 buffer.write_back()
 
     def reshard(self) -> None:
-        self._wait_pending()  # never free a buffer that a gather still writes into
+        self.wait()  # never free a buffer that a gather still writes into
         for buffer in self.buffers:
-            if buffer.state is ShardedState.GATHERED:
-                buffer.reshard()
+            buffer.reshard()
 
-    def _wait_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        for buffer, work in zip(self.buffers, pending or [None] * len(self.buffers), strict=True):
-            buffer.wait_unshard(work)
 
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+class UnitHook:
+    """A module hook that ``copy.deepcopy`` and pickling turn into a no-op: a copy of a gathered module is a plain
+    module (see [Note: stage-3 parameters at rest]), not a second handle on this engine's units."""
 
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        self.unshard()
-        if self.prefetcher is not None:
-            self.prefetcher.after_forward_gather(self)
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if torch.is_grad_enabled():
-            tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
-            if tensors:
-                register_multi_grad_hook(tensors, self._pre_backward, mode="any")
-        in_backward = torch._C._current_graph_task_id() != -1
-        if not in_backward and not (self.is_root and torch.is_grad_enabled()):
-            self.reshard()
-        return output
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
 
-    def _pre_backward(self, grad: Tensor) -> None:
-        if self.on_backward_start is not None:
-            self.on_backward_start()
-        self.unshard()
-        if self.prefetcher is not None:
-            self.prefetcher.after_backward_gather(self)
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        return inert_hook
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return inert_hook_factory, ()
+
+
+def inert_hook(*args: Any) -> None:
+    """What a copied module keeps of a unit's hooks: nothing."""
+
+
+def inert_hook_factory() -> Callable[..., None]:
+    return inert_hook

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zero.config import ZeroConfig
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.mixed_precision import PrecisionPolicy
+from lightning_zero.core.options import EngineOptions
 from tests.distributed.models import Block, TinyLM, loss_fn
 from tests.distributed.parity import CASES, Case, _micro_batches, clip_with_engine, make_optimizer, train_ddp
 
@@ -107,7 +107,7 @@ def train_zero(
     model = copy.deepcopy(initial)
     optimizer = make_optimizer(model, case)
     policy = {nn.Linear, Block} if stage == 3 else None
-    config = ZeroConfig(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy)
+    config = EngineOptions(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy)
     precision = PrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, master_dtype=torch.float32)
     engine = ZeroEngine(model, [optimizer], config, comm, precision=precision)
     for step in range(STEPS):

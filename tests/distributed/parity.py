@@ -12,10 +12,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_zero.config import ZeroConfig
 from lightning_zero.core.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.options import EngineOptions
 from tests.distributed.models import Block, TinyLM, batch, loss_fn
 
 STEPS = 5
@@ -120,7 +120,7 @@ def train_zero(model: nn.Module, case: Case, rank: int, stage: int, comm: Commun
     policy = {nn.Linear, Block} if stage == 3 else None
     if case.checkpoint:
         apply_activation_checkpointing(model, {nn.Linear, Block})
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy), comm)
+    engine = ZeroEngine(model, [optimizer], EngineOptions(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy), comm)
     for step in range(STEPS):
         if step % case.zero_grad_every == 0:
             optimizer.zero_grad()

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.config import ZeroConfig
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.options import EngineOptions
 from tests.helpers import run_on_ranks
 
 SCENARIOS = {
@@ -25,7 +25,7 @@ def _build(rank: int, what: str, comm: Communicator) -> str:
     if what == "requires_grad" and rank == 1:
         model[0].bias.requires_grad_(False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = ZeroConfig(stage=2, bucket_cap_mb=25 if what != "options" or rank == 0 else 5)
+    config = EngineOptions(stage=2, bucket_cap_mb=25 if what != "options" or rank == 0 else 5)
     try:
         ZeroEngine(model, [optimizer], config, comm)
     except RuntimeError as error:

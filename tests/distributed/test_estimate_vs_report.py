@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from lightning_zero import estimate_memory
-from lightning_zero.config import ZeroConfig
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.mixed_precision import PrecisionPolicy
+from lightning_zero.core.options import EngineOptions
 from tests.helpers import run_on_ranks
 
 STAGES = (1, 2, 3)
@@ -35,7 +35,7 @@ def _reports_after_one_step(rank: int, world_size: int) -> dict[tuple[str, int],
             torch.manual_seed(0)
             model = _model()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage), Communicator(), precision=policy)
+            engine = ZeroEngine(model, [optimizer], EngineOptions(stage=stage), Communicator(), precision=policy)
             inputs = torch.randn(8, 200, generator=torch.Generator().manual_seed(rank))
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=policy is not None):
                 loss = model(inputs).float().square().mean()

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.config import ZeroConfig
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.mixed_precision import PrecisionPolicy
+from lightning_zero.core.options import EngineOptions
 from tests.distributed.models import TinyLM, batch, loss_fn
 from tests.helpers import run_on_ranks
 
@@ -25,7 +25,7 @@ def _one_step(rank: int, stage: int, comm: Communicator, precision: PrecisionPol
     psi = sum(p.numel() for p in model.parameters())  # before sharding: stage 3 frees the full storage at rest
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # At stage 3 every Linear is a gather unit; the embedding is in the root unit.
-    config = ZeroConfig(stage=stage, bucket_cap_mb=0.001, wrap_policy={nn.Linear} if stage == 3 else None)
+    config = EngineOptions(stage=stage, bucket_cap_mb=0.001, wrap_policy={nn.Linear} if stage == 3 else None)
     engine = ZeroEngine(model, [optimizer], config, comm, precision=precision)
     at_start = engine.memory_report()
     tokens, targets = batch(seed=rank)
@@ -156,7 +156,7 @@ def _bucket_counts(rank: int, world_size: int) -> list[int]:
     for cap_mb in (40 / 1024, 1.0):
         model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))  # 3 x 4160 params
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2, bucket_cap_mb=cap_mb), Communicator())
+        engine = ZeroEngine(model, [optimizer], EngineOptions(stage=2, bucket_cap_mb=cap_mb), Communicator())
         counts.append(len(engine.buckets))
     return counts
 

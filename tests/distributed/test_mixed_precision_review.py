@@ -30,12 +30,12 @@ from lightning_zero.checkpoint.sharded import (
     load_sharded_params,
     save_sharded,
 )
-from lightning_zero.config import ZeroConfig
-from lightning_zero.core import shard_state
+from lightning_zero.checkpoint.state import tensor_specs
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.flat_buffer import MasterPiece
 from lightning_zero.core.mixed_precision import PrecisionPolicy
+from lightning_zero.core.options import EngineOptions
+from lightning_zero.core.step import StepState
 from lightning_zero.precision import ZeroPrecision
 from tests.distributed.models import TinyLM, batch, loss_fn
 from tests.helpers import run_on_ranks
@@ -67,7 +67,7 @@ def _policy(precision: str) -> PrecisionPolicy:
 
 
 def _engine(model: nn.Module, optimizers: list[torch.optim.Optimizer], stage: int, precision: str) -> ZeroEngine:
-    return ZeroEngine(model, optimizers, ZeroConfig(stage=stage), Communicator(), precision=_policy(precision))
+    return ZeroEngine(model, optimizers, EngineOptions(stage=stage), Communicator(), precision=_policy(precision))
 
 
 def _sgd(params: Any, lr: float = 0.5) -> torch.optim.SGD:
@@ -79,9 +79,9 @@ def _masters(engine: ZeroEngine, name: str) -> list[float]:
     return engine.full_state_dict(keep=True)[name].float().tolist()
 
 
-def _piece_grads(optimizer: torch.optim.Optimizer) -> Tensor:
-    """This rank's gradients as the optimizer sees them now, concatenated (fp32)."""
-    grads = [p.grad.float().reshape(-1) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+def _piece_grads(engine: ZeroEngine, optimizer: torch.optim.Optimizer) -> Tensor:
+    """This rank's gradients as the optimizer would see them now, concatenated (fp32)."""
+    grads = [grad.float().reshape(-1) for grad in engine.step_of(optimizer).gradients()]
     return torch.cat(grads) if grads else torch.zeros(0)
 
 
@@ -127,7 +127,7 @@ def _second_reducing_backward(stage: int) -> dict[str, Any]:
     engine = _engine(model, [optimizer], stage, "fp16")
     model(40000.0).backward()  # averaged: 40000, finite in fp16 (max 65504)
     model(32.0).backward()  # held: 40000 + 32 = 40032, exact in fp16
-    held = _piece_grads(optimizer).tolist()
+    held = _piece_grads(engine, optimizer).tolist()
     finite = engine.prepare_step(optimizer, loss_scale=1.0)
     engine.finish_step(optimizer, stepped=False)
     return {"held": held, "finite": finite}
@@ -172,7 +172,7 @@ def _overflow_of_another_optimizer(stage: int) -> dict[str, Any]:
     engine = _engine(model, [opt_a, opt_b], stage, "fp16")
     model(1.0, 1e6).backward()  # b's gradient 1e6 is inf in fp16
     finite_a = engine.prepare_step(opt_a, loss_scale=1.0)
-    b_step_grads = [isinstance(p, MasterPiece) and p.step_grad is not None for p in opt_b.param_groups[0]["params"]]
+    b_step_grads = [engine.step_of(opt_b).state is StepState.PREPARED]
     engine.finish_step(opt_a, stepped=finite_a)
     return {"finite_a": finite_a, "b_step_grads": b_step_grads}
 
@@ -244,7 +244,7 @@ def _integer(stage: int, precision: str, in_optimizer: bool) -> dict[str, str]:
     params = list(model.parameters()) if in_optimizer else [model.a]
     engine = _engine(model, [_sgd(params)], stage, precision)
     state = engine.full_state_dict(keep=True)
-    return {"dtype": str(state["index"].dtype), "spec_dtype": shard_state.tensor_specs(engine)["index"]["dtype"]}
+    return {"dtype": str(state["index"].dtype), "spec_dtype": tensor_specs(engine.named_state())["index"]["dtype"]}
 
 
 for _stage in (1, 2, 3):
@@ -294,7 +294,7 @@ def _grad_after_clipped_step(precision: str) -> float:
     engine.finish_step(optimizer)
     # torch keeps the clipped gradient until zero_grad; the held one stays scaled by its backward's loss scale,
     # so that a next backward (same scale) adds to it consistently.
-    return float(((_piece_grads(optimizer) / (scale or 1.0)) ** 2).sum())
+    return float(((_piece_grads(engine, optimizer) / (scale or 1.0)) ** 2).sum())
 
 
 for _precision in DTYPES:
@@ -374,12 +374,12 @@ def _skip_path_state(rank: int) -> dict[str, Any]:
     plugin = _plugin(engine, init_scale=1024.0)
     (model(1e6 if rank == 1 else 1.0) * plugin.scaler.scale).backward()  # inf on rank 1 only
     _step(plugin, optimizer)
-    pieces = optimizer.param_groups[0]["params"]
     pending_comm_calls = engine.comm.stats.calls  # read before the gathers below count
+    step = engine.step_of(optimizer)
     after_skip = {
         "a": _masters(engine, "a"),
-        "prepared": dict(plugin._prepared),
-        "step_grads": [p.step_grad is not None for p in pieces],
+        "state": step.state.name,
+        "step_grads": [step.step_grad_nbytes > 0],
         "optimizer_state": len(optimizer.state),
         "scale": plugin.scaler.scale,
         "pending_comm_calls": pending_comm_calls,
@@ -399,7 +399,7 @@ def _toggle(rank: int) -> dict[str, Any]:
     for piece in opt_b.param_groups[0]["params"]:
         piece.requires_grad = False
     model(1.0, 1.0).backward()
-    b_grads = [p.grad is not None for p in opt_b.param_groups[0]["params"]]
+    b_grads = [bool(engine.step_of(opt_b).gradients())]
     engine.prepare_step(opt_a)
     opt_a.step()
     engine.finish_step(opt_a)
@@ -441,14 +441,12 @@ def _checkpoint_between_stages(save_stage: int, load_stage: int) -> dict[str, fl
         engines.append(_engine(model, [optimizers[-1]], stage, "bf16"))
     _train(engines[0], engines[0].module, optimizers[0], steps=2)
     path = os.path.join(_SHARED["directory"], f"stage{save_stage}_to_stage{load_stage}")
-    save_sharded(engines[0], path, {}, "review", "bf16-mixed")
+    save_sharded(engines[0].named_state(), path, {}, "review", "bf16-mixed")
     checkpoint = ShardedCheckpoint(path)
-    load_sharded_params(engines[1], checkpoint)
-    load_sharded_optimizers(engines[1], checkpoint)
+    load_sharded_params(engines[1].named_state(), checkpoint)
+    load_sharded_optimizers(engines[1].named_state(), checkpoint)
     states = [engine.full_state_dict(keep=True) for engine in engines]
-    optimizer_states = [
-        shard_state.full_optimizer_state_dict(e, o)["state"] for e, o in zip(engines, optimizers, strict=True)
-    ]
+    optimizer_states = [e.full_optimizer_state_dict(o)["state"] for e, o in zip(engines, optimizers, strict=True)]
     frozen = {name for name, p in initial.named_parameters() if not p.requires_grad}
     trainable = [{k: v for k, v in state.items() if k not in frozen} for state in states]
     return {
@@ -712,7 +710,7 @@ def test_skipped_step_leaves_nothing_behind(results: list[dict[str, Any]]) -> No
     for value in _every_rank(results, "skip_path_state"):
         skipped = value["after_skip"]
         assert skipped["a"] == [1.0] * 4, skipped
-        assert skipped["prepared"] == {}, skipped
+        assert skipped["state"] == "IDLE", skipped
         assert not any(skipped["step_grads"]), skipped
         assert skipped["optimizer_state"] == 0, skipped  # Adam's step and moments untouched
         assert skipped["scale"] == 512.0, skipped

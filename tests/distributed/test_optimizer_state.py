@@ -7,10 +7,9 @@ import copy
 import pytest
 import torch
 
-from lightning_zero.config import ZeroConfig
-from lightning_zero.core import shard_state
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.options import EngineOptions
 from tests.distributed.models import TinyLM
 from tests.distributed.parity import CASES, make_optimizer, relative_difference, train_ddp, train_zero
 from tests.helpers import run_on_ranks
@@ -38,17 +37,17 @@ def _gather_and_reload(rank: int, world_size: int, case_name: str) -> dict[str, 
     for stage in (1, 2):
         model = copy.deepcopy(initial)
         engine = train_zero(model, case, rank, stage, comm)
-        optimizer = engine.bindings[0].optimizer
-        full = shard_state.full_optimizer_state_dict(engine, optimizer)
+        optimizer = engine.optimizers[0]
+        full = engine.full_optimizer_state_dict(optimizer)
         results[f"stage{stage}/gathered_vs_ddp"] = _max_state_difference(ddp_optimizer_state, full)
         assert [g["lr"] for g in full["param_groups"]] == [g["lr"] for g in ddp_optimizer_state["param_groups"]]
         # Load into a fresh engine of the other stage: gathering again must give the same dict.
         other_model = copy.deepcopy(model)
         other_optimizer = make_optimizer(other_model, case)
-        other = ZeroEngine(other_model, [other_optimizer], ZeroConfig(stage=3 - stage, bucket_cap_mb=0.0003), comm)
-        shard_state.load_full_optimizer_state_dict(other, other_optimizer, full)
+        other = ZeroEngine(other_model, [other_optimizer], EngineOptions(stage=3 - stage, bucket_cap_mb=0.0003), comm)
+        other.load_full_optimizer_state_dict(other_optimizer, full)
         results[f"stage{stage}/reloaded"] = _max_state_difference(
-            full, shard_state.full_optimizer_state_dict(other, other_optimizer)
+            full, other.full_optimizer_state_dict(other_optimizer)
         )
         results[f"stage{stage}/params"] = relative_difference(reference, model)
     return results

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_zero.config import ZeroConfig
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.flat_buffer import ShardedState
+from lightning_zero.core.options import EngineOptions
 from tests.helpers import run_on_ranks
 
 DEPTH = 6
@@ -24,7 +24,7 @@ def _run(rank: int, overlap: bool) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(DEPTH)])  # six units, an empty root
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, overlap_comm=overlap), Communicator())
+    engine = ZeroEngine(model, [optimizer], EngineOptions(stage=3, overlap_comm=overlap), Communicator())
     seen: list[list[int]] = []
     for layer in model:  # registered after the engine's hooks, so it runs once the layer is gathered
         layer.register_forward_pre_hook(lambda module, args: seen[-1].append(_in_flight(engine)))
@@ -79,7 +79,7 @@ def _reordering(rank: int, overlap: bool) -> dict:
     torch.manual_seed(0)
     model = Reordering()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, overlap_comm=overlap), Communicator())
+    engine = ZeroEngine(model, [optimizer], EngineOptions(stage=3, overlap_comm=overlap), Communicator())
     left_gathered = []
     for step in range(4):
         model.step = step
@@ -107,7 +107,7 @@ def test_a_changing_order_costs_nothing_but_a_wrong_guess() -> None:
 def _frozen_backward(rank: int, world_size: int) -> list[float]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).requires_grad_(False)
-    engine = ZeroEngine(model, [], ZeroConfig(stage=3), Communicator())
+    engine = ZeroEngine(model, [], EngineOptions(stage=3), Communicator())
     x = torch.randn(4, 8, requires_grad=True)
     model(x).sum().backward()  # gradients for the input only: the units are gathered, nothing is reduced
     return [_in_flight(engine), float(x.grad.abs().sum() > 0)]

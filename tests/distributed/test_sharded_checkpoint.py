@@ -42,18 +42,18 @@ class Small(nn.Module):
 
 
 def _engine(model: nn.Module, stage: int, lr: float = 1e-2) -> Any:
-    from lightning_zero.config import ZeroConfig
     from lightning_zero.core.comm import Communicator
     from lightning_zero.core.engine import ZeroEngine
+    from lightning_zero.core.options import EngineOptions
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     policy = {nn.Linear} if stage == 3 else None
-    config = ZeroConfig(stage=stage, bucket_cap_mb=0.0002, wrap_policy=policy)
+    config = EngineOptions(stage=stage, bucket_cap_mb=0.0002, wrap_policy=policy)
     return ZeroEngine(model, [optimizer], config, Communicator())
 
 
 def _train(engine: Any, steps: int, rank: int) -> None:
-    optimizer = engine.bindings[0].optimizer
+    optimizer = engine.optimizers[0]
     for step in range(steps):
         gen = torch.Generator().manual_seed(100 * step + rank)
         x = torch.randn(4, engine.module.a.in_features if hasattr(engine.module, "a") else BIG_WIDTH, generator=gen)
@@ -64,11 +64,10 @@ def _train(engine: Any, steps: int, rank: int) -> None:
 
 
 def _full_state(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from lightning_zero.core import shard_state
 
     with engine.gathered():
         params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    return params, shard_state.full_optimizer_state_dict(engine, engine.bindings[0].optimizer)
+    return params, engine.full_optimizer_state_dict(engine.optimizers[0])
 
 
 def _error_of(fn: Any) -> str:
@@ -107,34 +106,34 @@ def _on_ranks(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     engine = _engine(Small(), stage=3)
     _train(engine, 3, rank)
     (root / "small.tmp-crashed").mkdir(exist_ok=True)  # what a save killed before its commit leaves
-    save_sharded(engine, root / "small", {"note": "first"}, "test")
+    save_sharded(engine.named_state(), root / "small", {"note": "first"}, "test")
     _train(engine, 1, rank)
-    save_sharded(engine, root / "small", {"note": "second"}, "test")  # replaces the first, atomically
+    save_sharded(engine.named_state(), root / "small", {"note": "second"}, "test")  # replaces the first, atomically
     out["saved"] = _full_state(engine)
     loaded = {}
     for stage in (1, 2, 3):
         loaded[stage] = _engine(Small(hidden=11), stage=stage, lr=0.5)
         checkpoint = ShardedCheckpoint(root / "small")
-        load_sharded_params(loaded[stage], checkpoint)
-        load_sharded_optimizers(loaded[stage], checkpoint)
+        load_sharded_params(loaded[stage].named_state(), checkpoint)
+        load_sharded_optimizers(loaded[stage].named_state(), checkpoint)
         out[f"stage{stage}"] = _full_state(loaded[stage])
         out["note"] = checkpoint.lightning_state()["note"]
     # Back from stage 1 (where the frozen layer is not in a flat buffer and rank 0 saves it whole) to stage 3.
-    save_sharded(loaded[1], root / "small_stage1", {}, "test")
+    save_sharded(loaded[1].named_state(), root / "small_stage1", {}, "test")
     again = _engine(Small(hidden=11), stage=3, lr=0.5)
-    load_sharded_params(again, ShardedCheckpoint(root / "small_stage1"))
-    load_sharded_optimizers(again, ShardedCheckpoint(root / "small_stage1"))
+    load_sharded_params(again.named_state(), ShardedCheckpoint(root / "small_stage1"))
+    load_sharded_optimizers(again.named_state(), ShardedCheckpoint(root / "small_stage1"))
     out["stage1-to-stage3"] = _full_state(again)
     missing = _damage(root, "missing", lambda p: (p / "rank_2.pt").unlink())
     out["missing"] = _error_of(lambda: ShardedCheckpoint(missing))
     out["truncated"] = _error_of(lambda: ShardedCheckpoint(_damage(root, "truncated", _truncate)))
     out["version"] = _error_of(lambda: ShardedCheckpoint(_damage(root, "version", _bump_version)))
     other = _engine(Small(hidden=12), stage=1)
-    out["other_model"] = _error_of(lambda: load_sharded_params(other, ShardedCheckpoint(root / "small")))
+    out["other_model"] = _error_of(lambda: load_sharded_params(other.named_state(), ShardedCheckpoint(root / "small")))
     big = nn.Sequential(*(nn.Linear(BIG_WIDTH, BIG_WIDTH, bias=False) for _ in range(BIG_LAYERS)))
     big_engine = _engine(big, stage=3)
     _train(big_engine, 1, rank)
-    save_sharded(big_engine, root / "big", {"hyper_parameters": {}}, "test")
+    save_sharded(big_engine.named_state(), root / "big", {"hyper_parameters": {}}, "test")
     return out
 
 
@@ -235,7 +234,7 @@ from lightning_zero.checkpoint import save_sharded
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
 engine = _engine(Small(), stage=1)
 _train(engine, 2, 0)
-save_sharded(engine, sys.argv[1], {"note": "first"}, "test")
+save_sharded(engine.named_state(), sys.argv[1], {"note": "first"}, "test")
 torch.save({k: v.clone() for k, v in engine.module.state_dict().items()}, sys.argv[1] + ".expected")
 _train(engine, 1, 0)
 real_save = torch.save
@@ -250,7 +249,7 @@ def save_half_then_die(obj, file, *args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 
 torch.save = save_half_then_die
-save_sharded(engine, sys.argv[1], {"note": "second"}, "test")
+save_sharded(engine.named_state(), sys.argv[1], {"note": "second"}, "test")
 """
 
 

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_zero import ZeroPrecision, ZeroStrategy
 from lightning_zero.checkpoint.sharded import ShardedCheckpoint
 from lightning_zero.core.mixed_precision import LossScaleError
+from lightning_zero.precision import unwrap_optimizer
 from tests.helpers import run_on_ranks
 from tests.lightning.models import BATCH_SIZE, SaveAt, make_trainer, max_rel_diff, result_of, state_of
 
@@ -130,19 +131,19 @@ class MixedNet(pl.LightningModule):
         self.manual_backward(loss)
         # A threshold no norm reaches leaves the gradients as they are: the norm the real clipping then meets.
         self.clip_gradients(opt, gradient_clip_val=math.inf, gradient_clip_algorithm="norm")
-        before = global_grad_norm(opt.optimizer)
+        before = global_grad_norm(self.trainer, opt.optimizer)
         self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
-        self.clipped_norms.append((before, global_grad_norm(opt.optimizer)))
+        self.clipped_norms.append((before, global_grad_norm(self.trainer, opt.optimizer)))
         opt.step()
         return None
 
     def configure_gradient_clipping(
         self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
     ) -> None:
-        before = global_grad_norm(optimizer)  # the step's fp32 gradients exist already: see ZeroPrecision
+        before = global_grad_norm(self.trainer, optimizer)  # the step's fp32 gradients exist already: see ZeroPrecision
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
         if gradient_clip_val:
-            self.clipped_norms.append((before, global_grad_norm(optimizer)))
+            self.clipped_norms.append((before, global_grad_norm(self.trainer, optimizer)))
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_name == "sgd":
@@ -150,10 +151,15 @@ class MixedNet(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
 
 
-def global_grad_norm(optimizer: torch.optim.Optimizer) -> float:
+def step_gradients(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The gradients ``optimizer`` sees for this rank's pieces (after the step's fp32 copies are made: unscaled)."""
+    return trainer.strategy._engine.step_of(unwrap_optimizer(optimizer)).gradients()
+
+
+def global_grad_norm(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> float:
     """The 2-norm of the gradients of ``optimizer``'s pieces over all ranks (each rank holds its shard)."""
     local = sum(
-        (p.grad.double().pow(2).sum() for g in optimizer.param_groups for p in g["params"] if p.grad is not None),
+        (grad.double().pow(2).sum() for grad in step_gradients(trainer, optimizer)),
         torch.zeros((), dtype=torch.float64),
     )
     dist.all_reduce(local)
@@ -197,7 +203,7 @@ class Recorder(pl.Callback):
         self._snapshot(trainer)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
-        grads = [p.grad for p in _pieces(optimizer) if p.grad is not None]
+        grads = step_gradients(trainer, optimizer)  # ZeroPrecision made the step's fp32 gradients already
         self.local_inf.append(any(not bool(torch.isfinite(g).all()) for g in grads))
         self.step_grad_dtypes |= {str(g.dtype) for g in grads}
 
@@ -266,8 +272,8 @@ def fit_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         global_step=trainer.global_step,
         plugin=type(trainer.precision_plugin).__name__,
         param_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
-        piece_dtypes=sorted({str(p.dtype) for p in _pieces(optimizer)}),
-        master_dtypes=sorted({str(b.master.dtype) for b in engine.buffers if b.master is not None}),
+        piece_dtypes=sorted({str(e.store.step_view(e.slot).dtype) for e in engine.step_of(optimizer).entries}),
+        master_dtypes=sorted({str(s.master.dtype) for s in engine.stores.values() if hasattr(s, "master")}),
         masters=engine.full_state_dict(keep=True),
         clipped_norms=model.clipped_norms,
         losses=model.losses,

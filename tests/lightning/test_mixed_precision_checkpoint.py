@@ -134,9 +134,10 @@ class _Probe(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.start = _snapshot(trainer, pl_module)
         if self.lose_masters:
-            for buffer in trainer.strategy._engine.buffers:
-                if buffer.master is not None:
-                    buffer.master.copy_(buffer.master.to(buffer.shard.dtype))
+            for store in trainer.strategy._engine.stores.values():
+                master = getattr(store, "master", None)
+                if master is not None:
+                    master.copy_(master.to(store.buffer.shard.dtype))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.save is not None and trainer.global_step == SAVE_STEP:

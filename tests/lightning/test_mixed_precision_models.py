@@ -49,7 +49,8 @@ def _fit(stage: int, precision: str) -> dict[str, Any]:
     trainer.fit(model, loader, loader)
     validated = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
     engine = trainer.strategy._engine
-    pieces = [p for group in trainer.optimizers[0].param_groups for p in group["params"]]
+    # What the optimizer updates: the fp32 masters, and batch norm's own fp32 parameters (see core/store.py).
+    pieces = [e.store.step_view(e.slot) for e in engine.step_of(trainer.optimizers[0]).entries]
     state = engine.full_state_dict(keep=True)
     return {
         "norm_dtypes": {str(p.dtype) for p in norm.parameters()},

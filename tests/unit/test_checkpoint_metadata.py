@@ -73,9 +73,12 @@ def test_damaged_metadata_is_named(tmp_path: Path, damage: Callable[[Path], obje
 
 
 def test_a_file_is_not_a_sharded_checkpoint(tmp_path: Path) -> None:
+    """An ordinary checkpoint file handed where a sharded directory is expected says what to call instead."""
     (tmp_path / "model.ckpt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match="is not a directory"):
+    with pytest.raises(CheckpointError, match=r"is a file.*ordinary checkpoint.*lightning_zero.load_from_checkpoint"):
         read_metadata(tmp_path / "model.ckpt")
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        read_metadata(tmp_path / "missing")
 
 
 def test_a_different_model_names_its_first_difference(tmp_path: Path) -> None:

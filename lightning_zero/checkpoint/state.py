@@ -1,0 +1,94 @@
+"""What a sharded checkpoint saves and loads of an engine, through the engine's narrow named-state API.
+
+A parameter held in a flat buffer is saved by each rank as the elements it owns (its ranges, see
+``core/named_state.py``); any other tensor (a module buffer, a parameter that no buffer holds, e.g. a frozen one
+at stages 1 and 2) is saved whole by rank 0. Optimizer state follows the parameters: each rank saves the
+element-wise state of exactly its ranges, plus the scalar state (``step``). Nothing here writes files: the
+functions take plain data and a ``read`` callable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_zero.core.named_state import NamedState
+from lightning_zero.core.optim_state import is_scalar_state
+
+# read(section, name, start, end) -> 1D tensor of elements [start, end) of the flattened tensor ``name``;
+# ``section`` is "params" or (optimizer index, state key).
+Reader = Callable[[Any, str, int, int], Tensor]
+
+
+def tensor_specs(state: NamedState) -> dict[str, dict[str, Any]]:
+    """Per tensor name: shape, dtype and ``ranges`` ``[[rank, start, end], ...]`` (non-empty, by rank)."""
+    specs = {t.name: _spec(t.shape, t.dtype, [list(r) for r in t.ranges]) for t in state.tensors()}
+    for name, tensor in state.unmanaged().items():
+        specs[name] = _spec(tuple(tensor.shape), tensor.dtype, [[0, 0, tensor.numel()]] if tensor.numel() else [])
+    order = {name: index for index, (_, name) in reversed(list(enumerate(state.state_dict_keys())))}
+    return dict(sorted(specs.items(), key=lambda item: order[item[0]]))
+
+
+def _spec(shape: tuple[int, ...], dtype: torch.dtype, ranges: list[list[int]]) -> dict[str, Any]:
+    return {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "ranges": ranges}
+
+
+def collect_rank_state(state: NamedState, rank: int, optimizers: bool = True) -> dict[str, Any]:
+    """This rank's owned ranges of every parameter and (with ``optimizers``) of its optimizer state, as new CPU
+    tensors (no views)."""
+    params = {t.name: t.owned().detach().cpu().clone() for t in state.tensors() if t.end > t.start}
+    if rank == 0:
+        params.update({name: t.detach().cpu().reshape(-1).clone() for name, t in state.unmanaged().items()})
+    optimizer_states = []
+    for index in range(len(state.optimizer_param_names()) if optimizers else 0):
+        saved = {
+            name: {k: (v.detach().cpu().clone() if isinstance(v, Tensor) else v) for k, v in values.items()}
+            for name, values in state.optimizer_shard_state(index).items()
+        }
+        optimizer_states.append({"state": saved, "param_groups": state.optimizer_hyperparameters(index)})
+    return {"params": params, "optimizers": optimizer_states}
+
+
+def load_params(state: NamedState, read: Reader) -> None:
+    """Fill the parameters (stage 3: this rank's shard; before: every parameter), their master copies and the
+    other tensors. Values are cast to the dtypes held here, so a checkpoint moves between precisions."""
+    for tensor in state.tensors():
+        tensor.load(lambda start, end, name=tensor.name: read("params", name, start, end))
+    with torch.no_grad():
+        for name, tensor in state.unmanaged().items():
+            if tensor.numel():
+                tensor.data.copy_(read("params", name, 0, tensor.numel()).view_as(tensor))
+
+
+def load_optimizer(
+    state: NamedState,
+    index: int,
+    hyperparameters: list[dict[str, Any]],
+    scalars: dict[str, dict[str, Any]],
+    read: Reader,
+) -> None:
+    """Load optimizer ``index``: its param groups' ``hyperparameters``, ``scalars`` (per name: scalar state and
+    the element-wise keys under ``"__tensor_keys__"``) and element-wise state through ``read``."""
+    owned = {t.name: t for t in state.tensors()}
+    states: dict[str, dict[str, Any]] = {}
+    for name, values in scalars.items():
+        tensor = owned.get(name)
+        if tensor is None:
+            continue
+        loaded = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in values.items()}
+        for key in loaded.pop("__tensor_keys__"):
+            loaded[key] = read((index, key), name, tensor.start, tensor.end).to(tensor.owned().device)
+        states[name] = loaded
+    state.load_optimizer_shard_state(index, hyperparameters, states)
+
+
+def scalar_states(states: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per name, the scalar state plus the element-wise keys under ``"__tensor_keys__"`` (a rank file's summary)."""
+    out = {}
+    for name, values in states.items():
+        out[name] = {k: v for k, v in values.items() if is_scalar_state(v)}
+        out[name]["__tensor_keys__"] = sorted(k for k, v in values.items() if not is_scalar_state(v))
+    return out

@@ -1,0 +1,255 @@
+"""An engine's state by name: the narrow API through which checkpoints and full state dicts read and write it.
+
+Every tensor of the module's ``state_dict`` gets one name (tied parameters share their first name). A parameter
+held in a flat buffer is a :class:`ShardedTensor`: the ranges ``[start, end)`` of its flattened elements that
+each rank owns (see [Note: flat layout]), this rank's values of them and a way to load them. Any other tensor (a
+module buffer, a parameter no buffer holds, e.g. a frozen one at stages 1 and 2) is an *unmanaged* tensor, owned
+whole by rank 0. Optimizer state follows the parameters: each rank holds the element-wise state of exactly its
+ranges, plus the scalar state (``step``). Nothing here knows about files or Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero.core.flat_buffer import FlatParamBuffer
+from lightning_zero.core.optim_state import gather_param_states, shard_param_state
+from lightning_zero.core.rest import engine_access
+from lightning_zero.core.store import MasterStore
+
+if TYPE_CHECKING:
+    from lightning_zero.core.engine import ZeroEngine
+
+# read(start, end) -> 1D tensor of elements [start, end) of one flattened tensor
+Read = Callable[[int, int], Tensor]
+
+
+@dataclass(frozen=True)
+class ShardedTensor:
+    """One parameter held in a flat buffer, as saved and loaded.
+
+    Attributes:
+        name: its (first) name in the module.
+        shape: its full shape.
+        dtype: the dtype of the values saved (the fp32 master's where there is one).
+        ranges: ``(rank, start, end)`` of the flattened elements each rank owns, non-empty ones, by rank.
+        start, end: this rank's range (empty when it owns none).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    ranges: tuple[tuple[int, int, int], ...]
+    start: int
+    end: int
+    _engine: ZeroEngine
+    _buffer: FlatParamBuffer
+    _slot: int
+
+    def owned(self) -> Tensor:
+        """A view of this rank's elements, in :attr:`dtype` (clone it to keep it)."""
+        return self._buffer.owned(self._engine.best_values(self._buffer), self._slot)
+
+    def load(self, read: Read) -> None:
+        """Set this rank's elements (and, at stages 1 and 2, where every rank holds every element, the rest) from
+        ``read``; values are cast to the dtypes held, so a checkpoint moves between precisions."""
+        store = self._engine.stores.get(id(self._buffer))
+        with torch.no_grad():
+            if self.end > self.start:
+                owned = read(self.start, self.end)
+                (store or self._buffer).load_owned(self._slot, owned)
+            if self._buffer.may_change_at_rest:
+                numel = self._buffer.layout.slots[self._slot].numel
+                self._buffer.load_full(self._slot, read(0, numel))  # type: ignore[attr-defined]
+
+
+class NamedState:
+    """The checkpoint-facing view of one engine. See the module docstring."""
+
+    def __init__(self, engine: ZeroEngine) -> None:
+        self._engine = engine
+        self.comm = engine.comm  # the ranks that hold the shards
+        self.stage = engine.options.stage
+
+    def tensors(self) -> list[ShardedTensor]:
+        """Every parameter held in a flat buffer, in the module's ``state_dict`` order."""
+        engine = self._engine
+        found = []
+        for buffer in engine.buffers:
+            ranges: dict[int, list[tuple[int, int, int]]] = {slot: [] for slot in range(len(buffer.params))}
+            for rank in range(buffer.layout.world_size):
+                for piece in buffer.layout.pieces(rank):
+                    ranges[piece.slot].append((rank, piece.start, piece.end))
+            dtype = engine.best_values(buffer).dtype
+            for slot, param in enumerate(buffer.params):
+                piece = buffer.pieces[slot]
+                found.append(
+                    ShardedTensor(
+                        engine.names[param],
+                        buffer.layout.slots[slot].shape,
+                        dtype,
+                        tuple(ranges[slot]),
+                        piece.start,
+                        piece.end,
+                        engine,
+                        buffer,
+                        slot,
+                    )
+                )
+        order = {name: index for index, (_, name) in reversed(list(enumerate(self.state_dict_keys())))}
+        return sorted(found, key=lambda tensor: order[tensor.name])
+
+    def unmanaged(self) -> dict[str, Tensor]:
+        """State-dict tensors that no flat buffer holds, by (first) name, owned whole by rank 0."""
+        engine = self._engine
+        seen = {id(p) for b in engine.buffers for p in b.params}
+        extras: dict[str, Tensor] = {}
+        for key, value in engine.module.state_dict(keep_vars=True).items():
+            if isinstance(value, Tensor) and id(value) not in seen:
+                seen.add(id(value))
+                extras[key] = value
+        return extras
+
+    def state_dict_keys(self) -> list[list[str]]:
+        """``[key, tensor name]`` for every tensor key of the module's ``state_dict``, in order (tied keys repeat)."""
+        name_of = {id(p): name for p, name in self._engine.names.items()}
+        return [
+            [key, name_of.get(id(value), key)]
+            for key, value in self._engine.module.state_dict(keep_vars=True).items()
+            if isinstance(value, Tensor)
+        ]
+
+    def optimizer_param_names(self) -> list[list[list[str]]]:
+        """Per optimizer, per param group, the names of its parameters."""
+        names = self._engine.names
+        return [[[names[p] for p in group["params"]] for group in o.param_groups] for o in self._engine.optimizers]
+
+    def optimizer_hyperparameters(self, index: int) -> list[dict[str, Any]]:
+        """Optimizer ``index``'s param groups without their parameters."""
+        optimizer = self._engine.optimizers[index]
+        return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+    def optimizer_shard_state(self, index: int) -> dict[str, dict[str, Any]]:
+        """Optimizer ``index``'s state by parameter name: this rank's pieces of the element-wise state."""
+        engine = self._engine
+        optimizer = engine.optimizers[index]
+        managed = [entry.param for entry in engine.steps[index].entries]
+        return {engine.names[p]: dict(optimizer.state[p]) for p in managed if optimizer.state.get(p)}
+
+    def load_optimizer_shard_state(
+        self, index: int, hyperparameters: list[dict[str, Any]], states: Mapping[str, dict[str, Any]]
+    ) -> None:
+        """Set optimizer ``index``'s hyper-parameters and its state by parameter name (this rank's pieces)."""
+        engine = self._engine
+        optimizer = engine.optimizers[index]
+        for group, hyper in zip(optimizer.param_groups, hyperparameters, strict=True):
+            group.update(hyper)
+        optimizer.state.clear()
+        by_name = {engine.names[p]: p for g in optimizer.param_groups for p in g["params"]}
+        for name, state in states.items():
+            optimizer.state[by_name[name]] = state
+
+    def owned_range(self, name: str) -> tuple[int, int] | None:
+        """This rank's ``[start, end)`` of parameter ``name``; ``None`` when no flat buffer holds it."""
+        for tensor in self.tensors():
+            if tensor.name == name:
+                return tensor.start, tensor.end
+        return None
+
+
+def full_optimizer_state_dict(engine: ZeroEngine, optimizer: Optimizer) -> dict[str, Any]:
+    """The state dict ``optimizer`` would have without sharding (collective; every rank gets it)."""
+    entries = {id(e.param): e for e in engine.step_of(optimizer).entries}
+    full: dict[int, dict[str, Any]] = {}
+    for buffer in engine.buffers:
+        if id(buffer) not in engine.stores:
+            continue
+        mine = {
+            entries[id(p)].slot: p for p in buffer.params if id(p) in entries and entries[id(p)].store.buffer is buffer
+        }
+        states = [
+            dict(optimizer.state.get(mine[slot], {})) if slot in mine else {} for slot in range(len(buffer.params))
+        ]
+        for slot, state in enumerate(gather_param_states(buffer, states, engine.comm)):
+            if state and slot in mine:
+                full[id(mine[slot])] = state
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    index = {id(p): i for i, p in enumerate(params)}
+    for param in params:  # parameters no buffer holds keep their state in full form
+        if id(param) not in full and optimizer.state.get(param):
+            full[id(param)] = dict(optimizer.state[param])
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [index[id(p)] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+    return {"state": {index[pid]: state for pid, state in full.items()}, "param_groups": groups}
+
+
+def load_full_optimizer_state_dict(engine: ZeroEngine, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load an ordinary (unsharded) optimizer state dict into ``optimizer``'s shards."""
+    saved_groups = state_dict["param_groups"]
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if [len(g["params"]) for g in saved_groups] != sizes:
+        raise ValueError(
+            f"the checkpoint's optimizer has param groups of sizes {[len(g['params']) for g in saved_groups]}, "
+            f"this one {sizes}: the model or configure_optimizers() differs."
+        )
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    optimizer.state.clear()
+    entries = {id(e.param): e for e in engine.step_of(optimizer).entries}
+    for key, state in state_dict["state"].items():
+        param = params[int(key)]
+        entry = entries.get(id(param))
+        if entry is None:
+            optimizer.state[param] = {k: _to(v, param.device) for k, v in state.items()}
+            continue
+        buffer = entry.store.buffer
+        shape = buffer.layout.slots[entry.slot].shape
+        sliced = shard_param_state(state, buffer.pieces[entry.slot], shape, engine.names[param])
+        optimizer.state[param] = {k: _to(v, buffer.shard.device) for k, v in sliced.items()}
+
+
+def full_state_dict(engine: ZeroEngine, keep: bool) -> dict[str, Tensor]:
+    """The module's ``state_dict`` with full tensors, gathered one buffer at a time (collective).
+
+    Parameters with a master copy get its values (fp32), so the result resumes a mixed-precision run exactly. Only
+    ranks with ``keep`` (e.g. the one that writes the file) collect the tensors; the others get ``{}``.
+    """
+    collected: dict[int, Tensor] = {}
+    for buffer in engine.buffers:
+        full = buffer.full_values(engine.best_values(buffer), engine.comm)
+        if keep:
+            collected.update((id(p), v.clone()) for p, v in zip(buffer.params, buffer.param_views(full), strict=True))
+        del full
+    if not keep:
+        return {}
+    state = engine.module.state_dict(keep_vars=True)
+    with engine_access():
+        return {
+            key: collected[id(value)] if id(value) in collected else value.detach().clone()
+            for key, value in state.items()
+        }
+
+
+def load_masters(engine: ZeroEngine, state_dict: Mapping[str, Tensor]) -> None:
+    """Give the masters the saved values themselves, not their 16-bit rounding (after ``load_state_dict``)."""
+    with torch.no_grad():
+        for tensor in NamedState(engine).tensors():
+            saved = state_dict.get(tensor.name)
+            if saved is not None and tensor.end > tensor.start:
+                store = engine.stores.get(id(tensor._buffer))
+                if isinstance(store, MasterStore):
+                    store.load_owned(tensor._slot, saved.detach().reshape(-1)[tensor.start : tensor.end])
+
+
+def _to(value: object, device: torch.device) -> object:
+    """Element-wise state goes to the parameter's device; scalars stay where the optimizer keeps them."""
+    return value.to(device) if isinstance(value, Tensor) and value.dim() > 0 else value

@@ -1,0 +1,68 @@
+"""EngineOptions: what the sharding core needs to know of the user's choices, and nothing Lightning-side.
+
+``lightning_zero.config.ZeroConfig`` checks every option once and builds these; the core never sees the options
+that only the glue uses (``state_dict_type``, ``timeout``, the launcher's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+WrapPolicy = set[type[nn.Module]] | Callable[[nn.Module], bool] | None
+
+STAGES = (1, 2, 3)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """How :class:`~lightning_zero.core.engine.ZeroEngine` shards a module.
+
+    Attributes:
+        stage: 1 shards optimizer state; 2 also gradients; 3 also parameters.
+        bucket_cap_mb: size of the gradient buckets (stages 1 and 2).
+        overlap_comm: reduce buckets while backward still runs; at stage 3 also prefetch the next unit.
+        wrap_policy: stage-3 gather units (module classes or a ``callable(module) -> bool``; ``None``: default).
+    """
+
+    stage: int = 2
+    bucket_cap_mb: float = 25
+    overlap_comm: bool = True
+    wrap_policy: Any = None
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES or isinstance(self.stage, bool):
+            raise ValueError(f"stage={self.stage!r} is not supported; choose one of {list(STAGES)}.")
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, int | float):
+            raise ValueError(f"bucket_cap_mb must be a number of megabytes, got {self.bucket_cap_mb!r}.")
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}. The default is 25.")
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(self.bucket_cap_mb * 1024 * 1024)
+
+    def describe(self) -> dict[str, Any]:
+        """Plain values every rank must agree on (for :meth:`Communicator.agree`)."""
+        return {
+            "stage": self.stage,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "overlap_comm": self.overlap_comm,
+            "wrap_policy": describe_policy(self.wrap_policy),
+        }
+
+
+def describe_policy(policy: Any) -> Any:
+    """A rank-independent description: sets have no stable order across processes, so sort class names."""
+    if policy is None:
+        return None
+    if isinstance(policy, set | frozenset | list | tuple):
+        return sorted(_qualified_name(item) for item in policy)
+    return _qualified_name(policy)
+
+
+def _qualified_name(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"

@@ -1,0 +1,323 @@
+"""One optimizer's step over the shards: what it sees while ``optimizer.step()`` runs, and what follows.
+
+[Note: the step window]
+The optimizer's param groups hold the user's own parameters. Hooks on ``optimizer.step`` open a window
+around the call: each managed parameter's ``data`` becomes its piece in the store (the shard, or the fp32
+master), and its ``grad`` the piece's step gradient (made by :meth:`OptimizerStep.prepare` from the held,
+reduced gradient: cast, divided by the loss scale); when the call returns, the parameter is a view of its
+full buffer again, the stores finish (masters rounded into the shard) and stages 1 and 2 gather the new
+shards. A step whose gradients overflowed on any rank runs with every ``grad`` empty, so the optimizer
+changes nothing, on every rank. ``optimizer.zero_grad()`` empties the held gradients (see [Note: gradient
+liveness]); the optimizer's class is swapped, once, for a subclass that does so first.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from lightning_zero.core.buckets import GradBucket
+from lightning_zero.core.comm import Communicator, wait_all
+from lightning_zero.core.mixed_precision import DynamicLossScaler
+from lightning_zero.core.rest import engine_access
+from lightning_zero.core.store import ShardStore
+
+
+class StepState(Enum):
+    """Where an optimizer is between two steps."""
+
+    IDLE = auto()  # no step gradients exist
+    PREPARED = auto()  # step gradients made (clipping may change them); optimizer.step() comes next
+    STEPPING = auto()  # inside optimizer.step(): parameters hold their pieces
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """A parameter the optimizer trains, and where its shard lives."""
+
+    param: nn.Parameter
+    slot: int
+    store: ShardStore
+    bucket: GradBucket
+
+
+class LossScaling:
+    """The fp16 loss scale (``scaler``) and the scale the held gradients were produced with."""
+
+    def __init__(self, scaler: DynamicLossScaler | None) -> None:
+        self.scaler = scaler
+        self.backward_scale: float | None = None  # every optimizer stepped on a backward's gradients unscales so
+
+    def scale_for_step(self) -> float | None:
+        if self.scaler is None:
+            return None
+        return self.backward_scale if self.backward_scale is not None else self.scaler.scale
+
+
+class OptimizerStep:
+    """The step of one optimizer over sharded parameters. See [Note: the step window].
+
+    Args:
+        optimizer: the user's optimizer (its param groups hold the module's parameters).
+        entries: the managed parameters among its param groups.
+        comm: the shard group (overflow agreement, clipping norms, the gather of new shards).
+        device: where small control tensors (overflow flags, norms) live; NCCL needs the GPU.
+        scaling: the loss scale shared by every optimizer of the engine.
+        on_step_end: called after every step (the engine takes the step's communication counts).
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        entries: Sequence[StepEntry],
+        comm: Communicator,
+        device: torch.device,
+        scaling: LossScaling,
+        on_step_end: Callable[[], None],
+    ) -> None:
+        self.optimizer = optimizer
+        self.comm = comm
+        self.device = device
+        self.scaling = scaling
+        self.on_step_end = on_step_end
+        self.state = StepState.IDLE
+        self._finite = True
+        self._scale: float | None = None
+        self._clipped = False
+        self._step_grads: list[Tensor | None] = []
+        self._handles: list[RemovableHandle] = []
+        self.set_entries(entries)
+
+    def set_entries(self, entries: Sequence[StepEntry]) -> None:
+        self.discard()
+        self.entries = list(entries)
+        self._managed = {id(entry.param) for entry in self.entries}
+        self._buffers = list({id(e.store.buffer): e.store.buffer for e in self.entries}.values())
+        self._stores = list({id(e.store): e.store for e in self.entries}.values())
+
+    def install(self) -> None:
+        """Hook ``optimizer.step`` and ``zero_grad`` (idempotent)."""
+        if self._handles:
+            return
+        self._handles = [
+            self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._enter()),
+            self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: self._exit()),
+        ]
+        base = type(self.optimizer)
+        if not getattr(base, "_zero_grad_clears_shards", False):
+            self.optimizer.__class__ = _clearing_class(base)
+        self.optimizer._zero_step = self  # type: ignore[attr-defined]
+
+    def uninstall(self) -> None:
+        """Undo :meth:`install`: the optimizer is the user's plain optimizer again."""
+        self.discard()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if getattr(type(self.optimizer), "_zero_grad_clears_shards", False):
+            self.optimizer.__class__ = type(self.optimizer).__mro__[1]
+        self.optimizer.__dict__.pop("_zero_step", None)
+
+    # ------------------------------------------------------------------ before the step
+    def prepare(self, loss_scale: float | None = None) -> bool:
+        """Make the step gradients (once per step) and agree whether they are finite; returns whether the step
+        may run (collective when the loss is scaled). See [Note: mixed-precision model states]."""
+        if self.state is StepState.PREPARED:
+            return self._finite
+        scale = loss_scale if loss_scale is not None else self.scaling.scale_for_step()
+        for store in self._stores:
+            if store.buffer.may_change_at_rest:  # parameters written in place since the last step
+                store.sync_from_params()
+        self._step_grads = self._make_step_grads(scale)
+        self._scale, self._clipped, self._finite = scale, False, True
+        if scale is not None:
+            overflow = torch.zeros((), dtype=torch.uint8, device=self.device)
+            for grad in self._step_grads:
+                if grad is not None:
+                    overflow |= ~torch.isfinite(grad).all()  # no host sync per tensor
+            self.comm.all_reduce(overflow, op="max")
+            self._finite = not overflow.item()
+        self.state = StepState.PREPARED
+        return self._finite
+
+    def _make_step_grads(self, scale: float | None) -> list[Tensor | None]:
+        grads: list[Tensor | None] = [None] * len(self.entries)
+        by_store: dict[int, list[int]] = {}
+        for index, entry in enumerate(self.entries):
+            if entry.bucket.live[entry.slot]:
+                by_store.setdefault(id(entry.store), []).append(index)
+        for indices in by_store.values():
+            store = self.entries[indices[0]].store
+            held = [self._held(index) for index in indices]
+            made = store.step_grads([self.entries[i].slot for i in indices], held, scale)
+            for index, grad in zip(indices, made, strict=True):
+                grads[index] = grad
+        return grads
+
+    def _held(self, index: int) -> Tensor:
+        entry = self.entries[index]
+        held = entry.bucket.held(entry.slot)
+        assert held is not None
+        return held
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the step gradients by their global norm over all shards; returns the norm (collective)."""
+        self.prepare()
+        grads = [g for g in self._step_grads if g is not None]
+        device = self.device
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
+            total = local.float().clone()
+            self.comm.all_reduce(total, op="max")
+        else:
+            total = sum(
+                (torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads),
+                torch.zeros((), device=device),
+            )
+            self.comm.all_reduce(total, op="sum")
+            total = total ** (1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s
+        self._clipped = True
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+        return total
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        self.prepare()
+        self._clipped = True
+        for grad in self._step_grads:
+            if grad is not None:
+                grad.clamp_(min=-clip_value, max=clip_value)
+
+    def gradients(self) -> list[Tensor]:
+        """The gradients the optimizer would see now, of this rank's pieces: the step gradients once prepared (cast,
+        unscaled, clipped), else the held reduced ones."""
+        if self.state is not StepState.IDLE:
+            return [grad for grad in self._step_grads if grad is not None]
+        return [grad for entry in self.entries if (grad := entry.bucket.held(entry.slot)) is not None]
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """``optimizer.zero_grad()``: empty (or zero) the held gradients of this optimizer's parameters."""
+        self.discard()
+        by_bucket: dict[int, tuple[GradBucket, list[int]]] = {}
+        for entry in self.entries:
+            by_bucket.setdefault(id(entry.bucket), (entry.bucket, []))[1].append(entry.slot)
+        for bucket, slots in by_bucket.values():
+            bucket.clear(slots, set_to_none)
+
+    # ------------------------------------------------------------------ the step window
+    def _enter(self) -> None:
+        finite = self.prepare()
+        self._check_unmanaged()
+        self.state = StepState.STEPPING
+        with torch.no_grad(), engine_access():
+            for entry, grad in zip(self.entries, self._step_grads, strict=True):
+                entry.param.grad = None
+                entry.param.data = entry.store.step_view(entry.slot)
+                entry.param.grad = grad if finite else None
+
+    def _exit(self) -> None:
+        if self.state is not StepState.STEPPING:
+            return
+        with torch.no_grad(), engine_access():
+            for entry in self.entries:
+                entry.param.grad = None
+            for buffer in self._buffers:
+                buffer.restore_param_views()
+        if self._finite:
+            for store in self._stores:
+                store.finish()
+            wait_all([buffer.publish(self.comm) for buffer in self._buffers])
+        self._end_step(stepped=self._finite)
+
+    def abort(self) -> None:
+        """A step that raised inside ``optimizer.step()``: parameters back to their views, nothing finished."""
+        if self.state is StepState.STEPPING:
+            with torch.no_grad(), engine_access():
+                for entry in self.entries:
+                    entry.param.grad = None
+                for buffer in self._buffers:
+                    buffer.restore_param_views()
+            self.state = StepState.PREPARED
+        self.discard()
+
+    def discard(self) -> None:
+        """The prepared step will not come (a new backward, ``zero_grad``, a skipped step): drop its gradients."""
+        if self.state is StepState.PREPARED:
+            self._release()
+            self.state = StepState.IDLE
+
+    def skip(self) -> None:
+        """The caller decided not to step (e.g. ``training_step`` returned ``None``)."""
+        self.discard()
+        self.on_step_end()
+
+    def _end_step(self, stepped: bool) -> None:
+        self._release()
+        self.state = StepState.IDLE
+        if self._scale is not None and self.scaling.scaler is not None:
+            self.scaling.scaler.update(found_inf=not stepped)
+        self.on_step_end()
+
+    def _release(self) -> None:
+        by_store: dict[int, list[int]] = {}
+        for index, grad in enumerate(self._step_grads):
+            if grad is not None:
+                by_store.setdefault(id(self.entries[index].store), []).append(index)
+        for indices in by_store.values():
+            store = self.entries[indices[0]].store
+            held = [self._held(i) for i in indices]
+            store.release(held, [self._step_grads[i] for i in indices], self._clipped, self._scale)  # type: ignore[misc]
+        self._step_grads = []
+
+    def _check_unmanaged(self) -> None:
+        """A trainable parameter that the engine does not shard must not be stepped on its local gradient."""
+        for group_index, group in enumerate(self.optimizer.param_groups):
+            for param in group["params"]:
+                if id(param) not in self._managed and param.requires_grad and param.grad is not None:
+                    raise RuntimeError(
+                        f"{type(self.optimizer).__name__} param group {group_index} holds a parameter of shape "
+                        f"{tuple(param.shape)} that became trainable (or joined the optimizer) after this training "
+                        "iteration started, so its gradient was not reduced across ranks. ZeroStrategy takes such "
+                        "changes at the start of each iteration: unfreeze or add_param_group before training_step "
+                        "(e.g. in on_train_epoch_start or on_train_batch_start)."
+                    )
+
+    @property
+    def step_grad_nbytes(self) -> int:
+        """Bytes of step gradients held now (wide copies of the masters' gradients exist only during a step)."""
+        storages = {
+            id(g.untyped_storage()): g.untyped_storage().nbytes()
+            for g, e in zip(self._step_grads, self.entries, strict=False)
+            if g is not None and g.untyped_storage().data_ptr() != e.bucket.shard_grad.untyped_storage().data_ptr()
+        }
+        return sum(storages.values())
+
+
+@functools.cache
+def _clearing_class(base: type[Optimizer]) -> type[Optimizer]:
+    """``base`` whose ``zero_grad`` first empties the held gradient shards. See [Note: the step window]."""
+
+    def zero_grad(self: Optimizer, set_to_none: bool = True) -> None:
+        # getattr, not __dict__: Lightning's LightningOptimizer subclasses this class and forwards attributes.
+        step: OptimizerStep | None = getattr(self, "_zero_step", None)
+        if step is not None:
+            step.zero_grad(set_to_none)
+        base.zero_grad(self, set_to_none)
+
+    attributes: dict[str, Any] = {
+        "zero_grad": zero_grad,
+        "_zero_grad_clears_shards": True,
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+    }
+    return type(base.__name__, (base,), attributes)
