@@ -46,6 +46,7 @@ from lightning_zero.core.activation_checkpointing import apply_activation_checkp
 from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.memory import MemoryReport
+from lightning_zero.core.named_state import PARAM_NAMES_KEY
 from lightning_zero.launcher import ZeroMultiProcessingLauncher
 from lightning_zero.precision import ZeroPrecision, unwrap_optimizer
 
@@ -348,7 +349,10 @@ class ZeroStrategy(ParallelStrategy):
             with trainer.strategy.gathered_params():
                 torch.save(model.state_dict(), "model.pt")
         """
-        with self._require_engine().gathered(write_back=write_back):
+        if self._engine is None:  # nothing is sharded (stages 1 and 2 in evaluation, or before setup)
+            yield
+            return
+        with self._engine.gathered(write_back=write_back):
             yield
 
     def memory_report(self) -> MemoryReport:
@@ -444,6 +448,15 @@ class ZeroStrategy(ParallelStrategy):
             return  # nothing to load (e.g. configure_optimizers returned None)
         engine = self._require_engine()
         if _SHARDED_KEY in checkpoint:
+            sharded = checkpoint[_SHARDED_KEY]
+            saved = [
+                (opt["param_groups"], sharded.param_groups(i)) for i, opt in enumerate(sharded.metadata["optimizers"])
+            ]
+        else:
+            saved = [(s.get(PARAM_NAMES_KEY), s["param_groups"]) for s in checkpoint["optimizer_states"]]
+        if engine.restore_added_param_groups(managed, saved):
+            engine.begin_iteration()  # shards the parameters of the groups added back (collective)
+        if _SHARDED_KEY in checkpoint:
             load_sharded_optimizers(engine.named_state(), checkpoint[_SHARDED_KEY])
             return
         for optimizer, state in zip(managed, checkpoint["optimizer_states"], strict=True):
@@ -476,7 +489,8 @@ class ZeroStrategy(ParallelStrategy):
         sharded = ShardedCheckpoint(checkpoint_path)
         checkpoint = sharded.lightning_state()
         checkpoint["state_dict"] = {}
-        if sharded.metadata["optimizers"]:  # else saved with weights_only=True: Lightning then says so
+        if sharded.metadata.get("optimizer_states", bool(sharded.metadata["optimizers"])):
+            # else saved with weights_only=True: Lightning then says so
             checkpoint["optimizer_states"] = [{} for _ in sharded.metadata["optimizers"]]
         checkpoint[_SHARDED_KEY] = sharded
         return checkpoint

@@ -33,6 +33,7 @@ def build_metadata(
     tensors: dict[str, dict[str, Any]],
     state_dict_keys: list[list[str]],
     optimizers: list[list[list[str]]],
+    optimizer_states: bool = True,
 ) -> dict[str, Any]:
     return {
         "format_version": FORMAT_VERSION,
@@ -44,6 +45,7 @@ def build_metadata(
         "tensors": tensors,
         "state_dict_keys": state_dict_keys,
         "optimizers": [{"param_groups": groups} for groups in optimizers],
+        "optimizer_states": optimizer_states,  # False for save_checkpoint(weights_only=True)
     }
 
 

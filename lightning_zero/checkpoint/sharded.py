@@ -64,6 +64,7 @@ def save_sharded(
             tensors=named.tensor_specs(state),
             state_dict_keys=state.state_dict_keys(),
             optimizers=state.optimizer_param_names() if optimizers else [],
+            optimizer_states=optimizers,
         )
         torch.save(extra, tmp / LIGHTNING_FILE)
         write_metadata(tmp, metadata)  # last: a directory without it is never taken for a checkpoint

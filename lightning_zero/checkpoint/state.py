@@ -9,6 +9,7 @@ functions take plain data and a ``read`` callable.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -73,14 +74,19 @@ def load_optimizer(
     """Load optimizer ``index``: its param groups' ``hyperparameters``, ``scalars`` (per name: scalar state and
     the element-wise keys under ``"__tensor_keys__"``) and element-wise state through ``read``."""
     owned = {t.name: t for t in state.tensors()}
+    in_optimizer = {name for group in state.optimizer_param_names()[index] for name in group}
     states: dict[str, dict[str, Any]] = {}
     for name, values in scalars.items():
-        tensor = owned.get(name)
-        if tensor is None:
+        if name not in in_optimizer:
             continue
+        tensor = owned.get(name)
         loaded = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in values.items()}
         for key in loaded.pop("__tensor_keys__"):
-            loaded[key] = read((index, key), name, tensor.start, tensor.end).to(tensor.owned().device)
+            if tensor is not None:
+                loaded[key] = read((index, key), name, tensor.start, tensor.end).to(tensor.owned().device)
+            else:  # a parameter no buffer holds yet (frozen now, in the optimizer): its state in full form
+                shape = state.shape_of(name)
+                loaded[key] = read((index, key), name, 0, math.prod(shape)).view(shape)
         states[name] = loaded
     state.load_optimizer_shard_state(index, hyperparameters, states)
 

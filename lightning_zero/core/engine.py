@@ -39,7 +39,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 
 from lightning_zero.core import named_state
-from lightning_zero.core.buckets import GradBucket, GradReducer
+from lightning_zero.core.buckets import BucketState, GradBucket, GradReducer
 from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.flat_buffer import FlatParamBuffer, ReplicatedBuffer, ShardedBuffer
 from lightning_zero.core.groups import Topology
@@ -119,11 +119,7 @@ class ZeroEngine:
             self._build_units()
         else:
             self._add_buffers(self._plan_replicated(self._optimized_trainable()))
-        self.scheduler = (
-            Stage3Scheduler(self.units, self.topology.gather, options.overlap_comm, self._queue_end_of_backward)
-            if self.units
-            else None
-        )
+        self.scheduler = Stage3Scheduler(self.units, self.topology.gather, options.overlap_comm) if self.units else None
         self.steps = [
             OptimizerStep(optimizer, [], comm, self.device, self.scaling, self._take_step_comm)
             for optimizer in self.optimizers
@@ -294,12 +290,12 @@ class ZeroEngine:
     def begin_iteration(self) -> None:
         """Start a training iteration (before its forward): reset what an exception left and take changes made to
         trainable parameters and param groups since the last one (collective). See [Note: changes after setup]."""
-        self.reducer.reset()
+        self._reset_pass()
         for step in self.steps:
             step.abort()
+            step.discard()
         if self.scheduler is not None:
             self.scheduler.begin_iteration()
-        self._end_queued = self._backward_ended = False
         fingerprint = self._trainable_fingerprint()
         changed = fingerprint != self._fingerprint
         self._change_flag[0], self._change_flag[1] = int(changed), int(not changed)
@@ -315,6 +311,25 @@ class ZeroEngine:
         if changed:
             self._take_changes()
             self._fingerprint = self._trainable_fingerprint()
+
+    def restore_added_param_groups(
+        self, optimizers: Sequence[Optimizer], saved: Sequence[tuple[list[list[str]] | None, list[dict]]]
+    ) -> bool:
+        """Give each optimizer the param groups a checkpoint has beyond its own (added after setup by
+        ``add_param_group`` or ``BaseFinetuning``, which on resume run before the checkpoint is read): ``saved`` holds
+        per optimizer the names of each group's parameters (``None`` where unknown) and its hyper-parameters.
+        Returns whether any group was added (then call :meth:`begin_iteration` to shard their parameters)."""
+        by_name = {name: param for param, name in self.names.items()}
+        added = False
+        for optimizer, (names, hyper) in zip(optimizers, saved, strict=True):
+            current = [[self.names[p] for p in group["params"]] for group in optimizer.param_groups]
+            if names is None or len(names) <= len(current) or names[: len(current)] != current:
+                continue
+            for group_names, group_hyper in zip(names[len(current) :], hyper[len(current) :], strict=True):
+                options = {k: v for k, v in group_hyper.items() if k not in ("params", "param_names")}
+                optimizer.add_param_group({**options, "params": [by_name[n] for n in group_names]})
+                added = True
+        return added
 
     def _trainable_fingerprint(self) -> tuple[object, ...]:
         """Each optimizer's parameters, and whether the ones without a bucket are trainable (a managed parameter
@@ -377,9 +392,20 @@ class ZeroEngine:
         """Scale fp16 losses with ``scaler`` from now on (its state is the caller's to save and load)."""
         self.scaling.scaler = scaler
 
+    def _reset_pass(self) -> None:
+        """Forget a backward pass that raised. See [Note: bucket state]."""
+        self.reducer.reset()
+        if self.scheduler is not None:
+            self.scheduler.abandon_backward()
+        self._end_queued = self._backward_ended = False
+
     def scale_loss(self, loss: Tensor) -> Tensor:
-        """The loss to call ``backward()`` on: times the fp16 loss scale. Prepared steps are stale from here on
-        (the backward changes the held gradients)."""
+        """The loss to call ``backward()`` on: times the fp16 loss scale. Call it before every backward (the
+        Lightning glue does): a backward that raised since the last one is forgotten here, so a retry inside the
+        same iteration starts clean, and prepared steps are stale (the backward changes the held gradients)."""
+        scheduler_stale = self.scheduler is not None and self.scheduler.pass_running
+        if self._end_queued or scheduler_stale or any(b.state is not BucketState.IDLE for b in self.buckets):
+            self._reset_pass()
         for step in self.steps:
             step.discard()
         scaler = self.scaling.scaler

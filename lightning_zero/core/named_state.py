@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 # read(start, end) -> 1D tensor of elements [start, end) of one flattened tensor
 Read = Callable[[int, int], Tensor]
+# The names of each param group's parameters, kept in a full checkpoint's optimizer state (torch ignores the key),
+# so that param groups added after setup (add_param_group, BaseFinetuning) come back on resume.
+PARAM_NAMES_KEY = "lightning_zero_param_names"
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,10 @@ class NamedState:
         for name, state in states.items():
             optimizer.state[by_name[name]] = state
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The full shape of parameter ``name``."""
+        return next(tuple(p.shape) for p, n in self._engine.names.items() if n == name)
+
     def owned_range(self, name: str) -> tuple[int, int] | None:
         """This rank's ``[start, end)`` of parameter ``name``; ``None`` when no flat buffer holds it."""
         for tensor in self.tensors():
@@ -188,7 +195,8 @@ def full_optimizer_state_dict(engine: ZeroEngine, optimizer: Optimizer) -> dict[
         {**{k: v for k, v in group.items() if k != "params"}, "params": [index[id(p)] for p in group["params"]]}
         for group in optimizer.param_groups
     ]
-    return {"state": {index[pid]: state for pid, state in full.items()}, "param_groups": groups}
+    names = [[engine.names[p] for p in group["params"]] for group in optimizer.param_groups]
+    return {"state": {index[pid]: state for pid, state in full.items()}, "param_groups": groups, PARAM_NAMES_KEY: names}
 
 
 def load_full_optimizer_state_dict(engine: ZeroEngine, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:

@@ -90,6 +90,12 @@ class RestingParameter(nn.Parameter):
         with DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    def __repr__(self) -> str:
+        if _is_resting(self):
+            raise _resting_error(self, "repr")
+        with DisableTorchFunctionSubclass():
+            return repr(nn.Parameter(self.data, self.requires_grad))  # as a plain parameter prints
+
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
         if id(self) in memo:
             return memo[id(self)]

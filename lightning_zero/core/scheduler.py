@@ -43,26 +43,39 @@ class Stage3Scheduler:
         units: every unit, the root last.
         comm: the gather group (see core/groups.py).
         prefetch: start the next unit's gather early (``overlap_comm``).
-        on_backward_event: called when backward first reaches a unit (the engine queues its end-of-backward call).
     """
 
-    def __init__(
-        self, units: list[GatherUnit], comm: Communicator, prefetch: bool, on_backward_event: Callable[[], None]
-    ) -> None:
+    def __init__(self, units: list[GatherUnit], comm: Communicator, prefetch: bool) -> None:
         self.units = units
         self.root = units[-1]
         self.comm = comm
         self.prefetch = prefetch
-        self.on_backward_event = on_backward_event
         self._recorded: list[GatherUnit] = []  # units whose outputs need backward, in order of forward end
         self._plan: list[GatherUnit] = []  # the current backward's entries (reversed _recorded)
         self._cursor = 0  # next entry of _plan to issue
         self._remaining: Counter[GatherUnit] = Counter()  # entries left per unit
-        self._in_backward = False
+        self._in_backward = False  # a plan exists: a backward started since the last forward's end
+        self._running_task: int | None = None  # the autograd graph task now running through units, until it ends
         self._order: list[GatherUnit] = []  # forward gather order of the last complete pass (prefetch)
         self._seen: list[GatherUnit] = []  # this pass's forward gather order so far
         self._forward_cursor = 0
         self.register_hooks()
+
+    @property
+    def pass_running(self) -> bool:
+        """A backward reached units and has not ended: before another backward, that means it raised."""
+        return self._running_task is not None
+
+    def abandon_backward(self) -> None:
+        """A backward raised: forget its plan and free what it gathered (not the root, which the step still uses);
+        the entries recorded by a forward since then stay for the next backward."""
+        self._running_task = None
+        if not self._in_backward:
+            return
+        self._in_backward = False
+        self._plan, self._cursor, self._remaining = [], 0, Counter()
+        for unit in self.units[:-1]:
+            unit.reshard()
 
     def register_hooks(self) -> None:
         for unit in self.units:
@@ -76,7 +89,7 @@ class Stage3Scheduler:
     def begin_iteration(self) -> None:
         """Forget a pass that did not finish (an exception, a forward without backward) and free every unit."""
         self._recorded, self._plan, self._cursor, self._remaining = [], [], 0, Counter()
-        self._in_backward = False
+        self._in_backward, self._running_task = False, None
         self._seen, self._forward_cursor = [], 0
         for unit in self.units:
             unit.reshard()
@@ -145,6 +158,10 @@ class Stage3Scheduler:
 
     # ------------------------------------------------------------------ backward
     def _start_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task != self._running_task:  # a backward (or autograd.grad) pass begins to use units
+            self._running_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._pass_ended)
         if self._in_backward:
             return
         self._in_backward = True
@@ -152,8 +169,10 @@ class Stage3Scheduler:
         self._remaining = Counter(self._plan)
 
     def _need(self, unit: GatherUnit) -> None:
-        """Backward reached ``unit``: issue the plan up to its entry and wait. See [Note: stage-3 backward plan]."""
-        self.on_backward_event()
+        """Backward reached ``unit``: issue the plan up to its entry and wait. See [Note: stage-3 backward plan].
+
+        Reaching a unit does not make a backward one that reduces: ``torch.autograd.grad`` of an input (a gradient
+        penalty) reaches units too. The end of backward is queued by gradient hooks, or run by ``finish_backward``."""
         self._start_backward()
         if unit.is_root:
             unit.unshard(self.comm)
@@ -179,6 +198,10 @@ class Stage3Scheduler:
         unit.start_unshard(self.comm)  # issues nothing when still gathered, on every rank alike
         return unit
 
+    def _pass_ended(self) -> None:
+        """The graph task that reached units ended normally (the plan stays for a later backward of the step)."""
+        self._running_task = None
+
     def may_free(self, unit: GatherUnit) -> bool:
         """Whether ``unit`` may be freed in backward now that its gradients are complete."""
         return not unit.holds_frozen and not unit.is_root and not self._remaining[unit]
@@ -195,6 +218,7 @@ class Stage3Scheduler:
     def end_backward(self) -> None:
         """After the reductions: free every unit; the next forward records a new plan."""
         self._in_backward = False
+        self._running_task = None
         self._plan, self._cursor, self._remaining = [], 0, Counter()
         self.reshard_all()
 

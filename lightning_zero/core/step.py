@@ -131,6 +131,7 @@ class OptimizerStep:
     def prepare(self, loss_scale: float | None = None) -> bool:
         """Make the step gradients (once per step) and agree whether they are finite; returns whether the step
         may run (collective when the loss is scaled). See [Note: mixed-precision model states]."""
+        self.abort()  # an earlier optimizer.step() raised inside the window
         if self.state is StepState.PREPARED:
             return self._finite
         scale = loss_scale if loss_scale is not None else self.scaling.scale_for_step()
@@ -240,7 +241,8 @@ class OptimizerStep:
         self._end_step(stepped=self._finite)
 
     def abort(self) -> None:
-        """A step that raised inside ``optimizer.step()``: parameters back to their views, nothing finished."""
+        """A step that raised inside ``optimizer.step()``: parameters back to their views, nothing finished; the
+        step gradients stay, so a retried ``optimizer.step()`` steps on them."""
         if self.state is StepState.STEPPING:
             with torch.no_grad(), engine_access():
                 for entry in self.entries:
@@ -248,7 +250,6 @@ class OptimizerStep:
                 for buffer in self._buffers:
                     buffer.restore_param_views()
             self.state = StepState.PREPARED
-        self.discard()
 
     def discard(self) -> None:
         """The prepared step will not come (a new backward, ``zero_grad``, a skipped step): drop its gradients."""

@@ -110,6 +110,9 @@ def _frozen_backward(rank: int, world_size: int) -> list[float]:
     engine = ZeroEngine(model, [], EngineOptions(stage=3), Communicator())
     x = torch.randn(4, 8, requires_grad=True)
     model(x).sum().backward()  # gradients for the input only: the units are gathered, nothing is reduced
+    # No gradient hook ran (nothing is trainable), so the end of backward is the caller's to announce, as after
+    # every backward; it frees the units. (A torch.autograd.grad pass reaches units too and must not free them.)
+    engine.finish_backward()
     return [_in_flight(engine), float(x.grad.abs().sum() > 0)]
 
 
