@@ -46,7 +46,7 @@ from lightning_zero.core.activation_checkpointing import apply_activation_checkp
 from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.memory import MemoryReport
-from lightning_zero.core.named_state import PARAM_NAMES_KEY
+from lightning_zero.core.named_state import PARAM_NAMES_KEY, restore_added_param_groups
 from lightning_zero.launcher import ZeroMultiProcessingLauncher
 from lightning_zero.precision import ZeroPrecision, unwrap_optimizer
 
@@ -454,7 +454,7 @@ class ZeroStrategy(ParallelStrategy):
             ]
         else:
             saved = [(s.get(PARAM_NAMES_KEY), s["param_groups"]) for s in checkpoint["optimizer_states"]]
-        if engine.restore_added_param_groups(managed, saved):
+        if restore_added_param_groups(engine, managed, saved):
             engine.begin_iteration()  # shards the parameters of the groups added back (collective)
         if _SHARDED_KEY in checkpoint:
             load_sharded_optimizers(engine.named_state(), checkpoint[_SHARDED_KEY])

@@ -35,27 +35,26 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 
 from lightning_zero.core import named_state
 from lightning_zero.core.buckets import BucketState, GradBucket, GradReducer
 from lightning_zero.core.comm import CommStats, Communicator
-from lightning_zero.core.flat_buffer import FlatParamBuffer, ReplicatedBuffer, ShardedBuffer
+from lightning_zero.core.flat_buffer import FlatParamBuffer
 from lightning_zero.core.groups import Topology
-from lightning_zero.core.layout import plan_buckets
 from lightning_zero.core.memory import MemoryReport, tensor_nbytes
 from lightning_zero.core.mixed_precision import DynamicLossScaler, PrecisionPolicy
 from lightning_zero.core.named_state import NamedState
 from lightning_zero.core.optim_state import shard_param_state
 from lightning_zero.core.options import EngineOptions
+from lightning_zero.core.packing import Packed, Packer
 from lightning_zero.core.rest import RestingParameter, engine_access
 from lightning_zero.core.scheduler import Stage3Scheduler
 from lightning_zero.core.stage1 import FullGradBucket
 from lightning_zero.core.stage2 import ShardGradBucket
-from lightning_zero.core.stage3 import GatherUnit, assign_params, initialise, materialize_buffers, select_units
+from lightning_zero.core.stage3 import GatherUnit
 from lightning_zero.core.step import LossScaling, OptimizerStep, StepEntry
-from lightning_zero.core.store import InPlaceStore, MasterStore, ShardStore
+from lightning_zero.core.store import MasterStore, ShardStore
 
 _BUCKET_TYPES: dict[int, type[GradBucket]] = {1: FullGradBucket, 2: ShardGradBucket, 3: ShardGradBucket}
 
@@ -96,7 +95,6 @@ class ZeroEngine:
         self.device = device or next(module.parameters(), torch.empty(0)).device
         self.names = {param: name for name, param in module.named_parameters()}
         self.optimizers = list(optimizers)
-        self._keep_dtype = _norm_params(module) if self.policy.param_dtype is not None else set()
         self._check_optimizers()
         self._agree_across_ranks(agree_also)
         if options.stage < 3:
@@ -115,10 +113,13 @@ class ZeroEngine:
             on_backward_event=self._queue_end_of_backward,
             on_bucket_ready=self._on_bucket_ready if options.stage == 3 else None,
         )
+        self.packer = Packer(module, self.names, comm, self.device, self.policy, options.bucket_cap_bytes)
         if options.stage == 3:
-            self._build_units()
+            self.units, packed = self.packer.units(options.wrap_policy, {id(p) for p in self._optimized()})
+            self._unit_of = {id(b): unit for unit in self.units for b in unit.buffers}
+            self._add_buffers(packed)
         else:
-            self._add_buffers(self._plan_replicated(self._optimized_trainable()))
+            self._add_buffers(self.packer.replicated(self._optimized_trainable()))
         self.scheduler = Stage3Scheduler(self.units, self.topology.gather, options.overlap_comm) if self.units else None
         self.steps = [
             OptimizerStep(optimizer, [], comm, self.device, self.scaling, self._take_step_comm)
@@ -183,86 +184,21 @@ class ZeroEngine:
                 groups.append(fresh)
         return groups
 
-    def _plan_replicated(self, groups: list[list[nn.Parameter]]) -> list[FlatParamBuffer]:
-        """Stages 1, 2: buffers per (param group, dtype, device), in reverse registration order."""
-        order = {p: i for i, p in enumerate(reversed(list(self.names)))}
-        planned: list[list[nn.Parameter]] = []
-        for params in groups:
-            for same in _split_by_dtype(sorted(params, key=order.__getitem__), self._keep_dtype):
-                cap = max(1, self.options.bucket_cap_bytes // same[0].element_size())
-                planned.extend([same[i] for i in indices] for indices in plan_buckets([p.numel() for p in same], cap))
-        planned.sort(key=lambda members: order[members[0]])
-        buffers: list[FlatParamBuffer] = []
-        for members in planned:
-            buffer = ReplicatedBuffer(members, self.comm.rank, self.comm.world_size)
-            self._make_store(buffer, optimized=True)
-            buffers.append(buffer)
-        return buffers
-
-    def _make_store(self, buffer: FlatParamBuffer, optimized: bool) -> None:
-        """Choose the store of a trainable buffer; 16-bit parameters that an optimizer trains get a master. Call
-        while the buffer holds its full values."""
-        kept = buffer.params[0] in self._keep_dtype or not buffer.data.dtype.is_floating_point
-        if optimized and not kept and self.policy.master_dtype is not None:
-            self.stores[id(buffer)] = MasterStore(buffer, self.policy.master_dtype)
-            buffer.cast(self.policy.param_dtype)
-        else:
-            self.stores[id(buffer)] = InPlaceStore(buffer)
-
-    def _add_buffers(self, buffers: list[FlatParamBuffer]) -> None:
+    def _add_buffers(self, packed: list[Packed]) -> None:
         """Take new buffers into the engine: trainable ones get a bucket, appended to the launch order."""
-        self.buffers.extend(buffers)
         bucket_type = _BUCKET_TYPES[self.options.stage]
-        for buffer in buffers:
-            if id(buffer) not in self.stores:
+        for buffer, store in packed:
+            self.buffers.append(buffer)
+            if store is None:
                 continue
-            reduce_dtype = self.policy.reduce_dtype if isinstance(self.stores[id(buffer)], MasterStore) else None
+            self.stores[id(buffer)] = store
+            reduce_dtype = self.policy.reduce_dtype if isinstance(store, MasterStore) else None
             bucket = bucket_type(buffer, self.comm, reduce_dtype)
             self.buckets.append(bucket)
             self._bucket_of[id(buffer)] = bucket
         self.reducer.remove_hooks()
         self.reducer.buckets = list(self.buckets)
         self.reducer.register_hooks()
-
-    def _build_units(self) -> None:
-        """Stage 3: per gather unit, buffers per (requires_grad, dtype, device), units in reverse order."""
-        unit_modules = select_units(self.module, self.options.wrap_policy)
-        assigned = assign_params(self.module, unit_modules)
-        materialize_buffers(self.module, self.device)
-        module_names = {module: name for name, module in self.module.named_modules()}
-        optimized = {id(p) for p in self._optimized()}
-        buffers: list[FlatParamBuffer] = []
-        for unit_module in [*unit_modules, self.module]:
-            params = assigned[unit_module]
-            on_meta = [p for p in params if p.is_meta]
-            unit_buffers = [
-                ShardedBuffer(same, self.comm.rank, self.comm.world_size, device=self.device)
-                for flag in (True, False)
-                for same in _split_by_dtype([p for p in params if p.requires_grad is flag], self._keep_dtype)
-            ]
-            initialise(self.module, on_meta)
-            for buffer in unit_buffers:
-                self._commit_sharded(buffer, optimized)
-            name = module_names.get(unit_module) or "<root>"
-            unit = GatherUnit(unit_module, name, unit_buffers, is_root=unit_module is self.module)
-            self.units.append(unit)
-            self._unit_of.update((id(b), unit) for b in unit_buffers)
-            buffers.extend(unit_buffers)
-        with torch.no_grad():
-            for tensor in self.module.buffers():
-                self.comm.broadcast(tensor, src=0)
-        # Backward meets the last units first: reverse registration order approximates it (see [Note: bucket order]).
-        self._add_buffers(list(reversed(buffers)))
-
-    def _commit_sharded(self, buffer: ShardedBuffer, optimized: set[int]) -> None:
-        """Rank 0's values everywhere (whatever each rank's RNG did), the store chosen, only the shard kept."""
-        self.comm.broadcast(buffer.data, src=0)
-        if buffer.params[0].requires_grad:
-            self._make_store(buffer, optimized=any(id(p) in optimized for p in buffer.params))
-        buffer.commit_shard()
-        with engine_access():
-            for param in buffer.params:
-                RestingParameter.adopt(param, self.names[param])
 
     def _bind_optimizers(self) -> None:
         """Tell each optimizer step which of its parameters the engine holds; slice full-size optimizer state."""
@@ -312,25 +248,6 @@ class ZeroEngine:
             self._take_changes()
             self._fingerprint = self._trainable_fingerprint()
 
-    def restore_added_param_groups(
-        self, optimizers: Sequence[Optimizer], saved: Sequence[tuple[list[list[str]] | None, list[dict]]]
-    ) -> bool:
-        """Give each optimizer the param groups a checkpoint has beyond its own (added after setup by
-        ``add_param_group`` or ``BaseFinetuning``, which on resume run before the checkpoint is read): ``saved`` holds
-        per optimizer the names of each group's parameters (``None`` where unknown) and its hyper-parameters.
-        Returns whether any group was added (then call :meth:`begin_iteration` to shard their parameters)."""
-        by_name = {name: param for param, name in self.names.items()}
-        added = False
-        for optimizer, (names, hyper) in zip(optimizers, saved, strict=True):
-            current = [[self.names[p] for p in group["params"]] for group in optimizer.param_groups]
-            if names is None or len(names) <= len(current) or names[: len(current)] != current:
-                continue
-            for group_names, group_hyper in zip(names[len(current) :], hyper[len(current) :], strict=True):
-                options = {k: v for k, v in group_hyper.items() if k not in ("params", "param_names")}
-                optimizer.add_param_group({**options, "params": [by_name[n] for n in group_names]})
-                added = True
-        return added
-
     def _trainable_fingerprint(self) -> tuple[object, ...]:
         """Each optimizer's parameters, and whether the ones without a bucket are trainable (a managed parameter
         frozen and unfrozen, as ``toggle_optimizer`` does, changes nothing the engine holds)."""
@@ -349,37 +266,22 @@ class ZeroEngine:
         if self.options.stage == 3:
             self._split_frozen_buffers()
         else:
-            self._add_buffers(self._plan_replicated(self._optimized_trainable()))
+            self._add_buffers(self.packer.replicated(self._optimized_trainable()))
         self._bind_optimizers()
 
     def _split_frozen_buffers(self) -> None:
         """Stage 3: frozen buffers that now hold trainable, optimized parameters are split by ``requires_grad``."""
         optimized = {id(p) for p in self._optimized()}
-        assert self.scheduler is not None
         for unit in self.units:
             for buffer in [b for b in unit.buffers if id(b) not in self.stores]:
                 if not any(p.requires_grad and id(p) in optimized for p in buffer.params):
                     continue
                 unit.unshard(self.topology.gather)
-                with engine_access():
-                    for param in buffer.params:
-                        RestingParameter.release(param)
-                    new = [
-                        ShardedBuffer(same, self.comm.rank, self.comm.world_size, device=self.device)
-                        for flag in (True, False)
-                        for same in _split_by_dtype(
-                            [p for p in buffer.params if p.requires_grad is flag], self._keep_dtype
-                        )
-                    ]
-                for piece in new:
-                    self._commit_sharded(piece, optimized)
+                packed = self.packer.split_frozen(unit, buffer, optimized)
                 unit.reshard()
-                index = unit.buffers.index(buffer)
-                unit.buffers[index : index + 1] = new
-                unit.holds_frozen = any(not p.requires_grad for b in unit.buffers for p in b.params)
-                self._unit_of.update((id(b), unit) for b in new)
                 self.buffers.remove(buffer)
-                self._add_buffers(new)
+                self._unit_of.update((id(b), unit) for b, _ in packed)
+                self._add_buffers(packed)
 
     # ------------------------------------------------------------------ backward
     @contextmanager
@@ -475,12 +377,6 @@ class ZeroEngine:
     def skip_step(self, optimizer: Optimizer) -> None:
         """``optimizer`` will not step on the gradients of this iteration (they stay held, as torch keeps them)."""
         self.step_of(optimizer).skip()
-
-    def finish_step(self, optimizer: Optimizer, stepped: bool = True) -> None:
-        """Kept for loops written against the earlier API: ``optimizer.step()`` finishes its own step, so this only
-        drops a prepared step that did not run (``stepped=False``)."""
-        if not stepped:
-            self.skip_step(optimizer)
 
     def _take_step_comm(self) -> None:
         stats = self.comm.stats.reset()
@@ -601,18 +497,3 @@ class ZeroEngine:
         states = [v for o in self.optimizers for s in o.state.values() for v in s.values()]
         masters = sum(store.nbytes for store in self.stores.values())  # counted with the optimizer, as in the paper
         return MemoryReport(params=params, gradients=grads, optimizer_states=sum(map(tensor_nbytes, states)) + masters)
-
-
-def _split_by_dtype(params: list[nn.Parameter], keep_dtype: set[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """``params`` grouped by (dtype, device, in ``keep_dtype``), each group in the given order."""
-    groups: dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]] = {}
-    for param in params:
-        groups.setdefault((param.dtype, param.device, param in keep_dtype), []).append(param)
-    return list(groups.values())
-
-
-def _norm_params(module: nn.Module) -> set[nn.Parameter]:
-    """Parameters of batch-norm layers. Their running statistics stay fp32, and CPU ``batch_norm`` (no autocast op)
-    needs its weight in their dtype, so a 16-bit policy leaves these parameters in fp32 (as FSDP's mixed precision
-    does): the optimizer updates them directly, without a master."""
-    return {p for m in module.modules() if isinstance(m, _BatchNorm) for p in m.parameters(recurse=False)}

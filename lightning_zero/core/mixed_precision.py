@@ -4,10 +4,12 @@
 Following the ZeRO paper (section 3.1), a 16-bit run holds per parameter: the parameter in the compute
 dtype (2 bytes), its gradient in the compute dtype (2 bytes), and with the optimizer an fp32 master copy
 (4 bytes) plus the optimizer's own state (Adam: 8 bytes), each divided as the stage divides it. The
-optimizer holds the master pieces (see [Note: parameter views and optimizer pieces]); between optimizer
-steps a master piece's ``grad`` is the held 16-bit gradient (so ``zero_grad`` empties it), and during a
-step (``ZeroEngine.prepare_step`` to ``finish_step``) an fp32 copy of it, unscaled, that is freed after
-the step. After the step the updated masters are rounded into the 16-bit shard, which is then gathered.
+master lives in a ``MasterStore`` (core/store.py). Between steps the held gradient is the 16-bit reduced
+one (so ``zero_grad`` empties it); for the step (from ``ZeroEngine.prepare_step``, which ``optimizer.step()``
+runs if nobody did, to the end of ``optimizer.step()``) the store makes an fp32 copy of it, unscaled,
+which the optimizer sees as its parameter's ``grad`` next to the master piece as its ``data`` (see [Note:
+the step window]) and which is freed after the step. The updated masters are then rounded into the 16-bit
+shard, which is gathered.
 
 Gradients are reduced in ``reduce_dtype`` (fp32 by default): the local gradients of a bucket are summed
 into an fp32 staging buffer and reduce-scattered in fp32, so a sum over many ranks neither overflows

@@ -10,7 +10,7 @@ ranges, plus the scalar state (``step``). Nothing here knows about files or Ligh
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -261,3 +261,23 @@ def load_masters(engine: ZeroEngine, state_dict: Mapping[str, Tensor]) -> None:
 def _to(value: object, device: torch.device) -> object:
     """Element-wise state goes to the parameter's device; scalars stay where the optimizer keeps them."""
     return value.to(device) if isinstance(value, Tensor) and value.dim() > 0 else value
+
+
+def restore_added_param_groups(
+    engine: ZeroEngine, optimizers: Sequence[Optimizer], saved: Sequence[tuple[list[list[str]] | None, list[dict]]]
+) -> bool:
+    """Give each optimizer the param groups a checkpoint has beyond its own: groups added after setup by
+    ``add_param_group`` or ``BaseFinetuning``, which on resume rebuilds them before the checkpoint is read.
+    ``saved`` holds per optimizer the names of each group's parameters (``None`` where unknown) and its
+    hyper-parameters. Returns whether any group was added (then ``engine.begin_iteration()`` shards them)."""
+    by_name = {name: param for param, name in engine.names.items()}
+    added = False
+    for optimizer, (names, hyper) in zip(optimizers, saved, strict=True):
+        current = [[engine.names[p] for p in group["params"]] for group in optimizer.param_groups]
+        if names is None or len(names) <= len(current) or names[: len(current)] != current:
+            continue
+        for group_names, group_hyper in zip(names[len(current) :], hyper[len(current) :], strict=True):
+            options = {k: v for k, v in group_hyper.items() if k not in ("params", "param_names")}
+            optimizer.add_param_group({**options, "params": [by_name[n] for n in group_names]})
+            added = True
+    return added

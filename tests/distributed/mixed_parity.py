@@ -122,7 +122,6 @@ def train_zero(
         assert finite
         clip_with_engine(engine, optimizer, case)
         optimizer.step()
-        engine.finish_step(optimizer)
     engine.remove_hooks()
     return engine.full_state_dict(keep=True)
 

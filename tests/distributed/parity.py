@@ -130,7 +130,6 @@ def train_zero(model: nn.Module, case: Case, rank: int, stage: int, comm: Commun
                 (loss_fn(model, tokens, targets) / case.accumulate).backward()
         clip_with_engine(engine, optimizer, case)
         optimizer.step()
-        engine.finish_step(optimizer)
     engine.remove_hooks()
     return engine
 

@@ -42,7 +42,6 @@ def _reports_after_one_step(rank: int, world_size: int) -> dict[tuple[str, int],
             loss.backward()
             engine.prepare_step(optimizer)
             optimizer.step()
-            engine.finish_step(optimizer)
             reports[precision, stage] = engine.memory_report().as_dict()
             engine.remove_hooks()
     return reports

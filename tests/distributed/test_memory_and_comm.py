@@ -36,7 +36,6 @@ def _one_step(rank: int, stage: int, comm: Communicator, precision: PrecisionPol
     engine.prepare_step(optimizer)
     during_step = engine.memory_report()
     optimizer.step()
-    engine.finish_step(optimizer)
     pieces = [p for g in optimizer.param_groups for p in g["params"]]
     elementwise = sum(v.numel() * v.element_size() for p in pieces for v in optimizer.state[p].values() if v.dim() > 0)
     root = engine.units[-1].buffers if engine.units else []

@@ -129,7 +129,7 @@ def _second_reducing_backward(stage: int) -> dict[str, Any]:
     model(32.0).backward()  # held: 40000 + 32 = 40032, exact in fp16
     held = _piece_grads(engine, optimizer).tolist()
     finite = engine.prepare_step(optimizer, loss_scale=1.0)
-    engine.finish_step(optimizer, stepped=False)
+    engine.skip_step(optimizer)
     return {"held": held, "finite": finite}
 
 
@@ -173,7 +173,7 @@ def _overflow_of_another_optimizer(stage: int) -> dict[str, Any]:
     model(1.0, 1e6).backward()  # b's gradient 1e6 is inf in fp16
     finite_a = engine.prepare_step(opt_a, loss_scale=1.0)
     b_step_grads = [engine.step_of(opt_b).state is StepState.PREPARED]
-    engine.finish_step(opt_a, stepped=finite_a)
+    engine.skip_step(opt_a)
     return {"finite_a": finite_a, "b_step_grads": b_step_grads}
 
 
@@ -191,7 +191,6 @@ def _direct_write(stage: int, precision: str) -> list[float]:
     model(0.0).backward()
     engine.prepare_step(optimizer)
     optimizer.step()
-    engine.finish_step(optimizer)
     return _masters(engine, "a")  # expected: [0.5, 1.0, -1.0, 1.0]
 
 
@@ -272,7 +271,6 @@ def _complex(stage: int, precision: str) -> Any:
     model(torch.ones(4)).backward()
     engine.prepare_step(optimizer)
     optimizer.step()
-    engine.finish_step(optimizer)
     return engine.full_state_dict(keep=True)["w"]
 
 
@@ -291,7 +289,6 @@ def _grad_after_clipped_step(precision: str) -> float:
     engine.prepare_step(optimizer, scale)
     engine.clip_grad_norm_(optimizer, 1.0)
     optimizer.step()
-    engine.finish_step(optimizer)
     # torch keeps the clipped gradient until zero_grad; the held one stays scaled by its backward's loss scale,
     # so that a next backward (same scale) adds to it consistently.
     return float(((_piece_grads(engine, optimizer) / (scale or 1.0)) ** 2).sum())
@@ -333,7 +330,6 @@ def _zero_grad_mode(stage: int, set_to_none: bool) -> dict[str, Tensor]:
         loss.backward()
         engine.prepare_step(optimizer)
         optimizer.step()
-        engine.finish_step(optimizer)
     return engine.full_state_dict(keep=True)
 
 
@@ -354,7 +350,6 @@ def _accumulate_across_steps(stage: int, precision: str) -> list[float]:
         (model(xs[rank]) * (scale or 1.0)).backward()
         assert engine.prepare_step(optimizer, scale)
         optimizer.step()
-        engine.finish_step(optimizer)
     return _masters(engine, "a")  # 1 - 0.25 * 2 - 0.25 * (2 + 1) = -0.25
 
 
@@ -402,7 +397,6 @@ def _toggle(rank: int) -> dict[str, Any]:
     b_grads = [bool(engine.step_of(opt_b).gradients())]
     engine.prepare_step(opt_a)
     opt_a.step()
-    engine.finish_step(opt_a)
     return {"b_requires_grad": model.b.requires_grad, "b_grads": b_grads, "a": _masters(engine, "a")}
 
 
@@ -414,7 +408,6 @@ def _train(engine: ZeroEngine, model: nn.Module, optimizer: torch.optim.Optimize
         loss.backward()
         engine.prepare_step(optimizer)
         optimizer.step()
-        engine.finish_step(optimizer)
 
 
 def _largest_difference(a: dict[Any, Any], b: dict[Any, Any]) -> float:
@@ -572,7 +565,7 @@ def test_stage3_overflow_of_another_optimizer_does_not_skip_this_one(results: li
 @pytest.mark.parametrize("stage", [1, 2])
 def test_direct_parameter_writes_reach_the_masters(results: list[dict[str, Any]], stage: int) -> None:
     """At stages 1/2 parameters may be changed in place (no gathering needed, as in 32-true): prepare_step takes
-    the changed elements into the masters, so finish_step does not undo the write (WGAN weight clipping)."""
+    the changed elements into the masters, so the step does not undo the write (WGAN weight clipping)."""
     for value in _every_rank(results, f"direct_write/stage{stage}/bf16"):
         assert value == [0.5, 1.0, -1.0, 1.0]
 
@@ -714,7 +707,7 @@ def test_skipped_step_leaves_nothing_behind(results: list[dict[str, Any]]) -> No
         assert not any(skipped["step_grads"]), skipped
         assert skipped["optimizer_state"] == 0, skipped  # Adam's step and moments untouched
         assert skipped["scale"] == 512.0, skipped
-        assert skipped["pending_comm_calls"] == 0, skipped  # finish_step took this step's counts
+        assert skipped["pending_comm_calls"] == 0, skipped  # the step took this step's counts
         assert value["scale"] == 512.0
         assert all(v < 1.0 for v in value["a"]), value  # the next clean step ran
 

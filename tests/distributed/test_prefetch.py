@@ -34,7 +34,6 @@ def _run(rank: int, overlap: bool) -> dict:
         optimizer.zero_grad()
         model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step + rank))).square().sum().backward()
         optimizer.step()
-        engine.finish_step(optimizer)
         gathered_bytes.append(engine.last_step_comm.by_op["all_gather"])
     with engine.gathered():
         weights = [p.detach().clone() for p in model.parameters()]
@@ -86,7 +85,6 @@ def _reordering(rank: int, overlap: bool) -> dict:
         optimizer.zero_grad()
         model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step + rank))).square().sum().backward()
         optimizer.step()
-        engine.finish_step(optimizer)
         left_gathered.append(_in_flight(engine))
     with engine.gathered():
         weights = [p.detach().clone() for p in model.parameters()]

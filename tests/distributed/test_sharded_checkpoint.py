@@ -60,7 +60,6 @@ def _train(engine: Any, steps: int, rank: int) -> None:
         optimizer.zero_grad()
         engine.module(x).pow(2).mean().backward()
         optimizer.step()
-        engine.finish_step(optimizer)
 
 
 def _full_state(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

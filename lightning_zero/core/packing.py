@@ -1,0 +1,152 @@
+"""How parameters become flat buffers, and which store each trainable buffer gets.
+
+Stages 1 and 2 pack the trainable parameters of each optimizer param group (each parameter once, in its first
+group), by dtype, into :class:`ReplicatedBuffer` buckets of at most ``bucket_cap_mb`` in reverse registration
+order (see [Note: bucket order]). Stage 3 packs every parameter of each gather unit (see [Note: stage-3 gather
+units]) into :class:`ShardedBuffer` s by (``requires_grad``, dtype), which keep only their shard. Precision
+chooses each trainable buffer's store (see core/store.py): a :class:`MasterStore` for 16-bit parameters that
+an optimizer trains, an :class:`InPlaceStore` otherwise (fp32 runs; batch-norm, complex and integer parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_zero.core.comm import Communicator
+from lightning_zero.core.flat_buffer import FlatParamBuffer, ReplicatedBuffer, ShardedBuffer
+from lightning_zero.core.layout import plan_buckets
+from lightning_zero.core.mixed_precision import PrecisionPolicy
+from lightning_zero.core.options import WrapPolicy
+from lightning_zero.core.rest import RestingParameter, engine_access
+from lightning_zero.core.stage3 import GatherUnit, assign_params, initialise, materialize_buffers, select_units
+from lightning_zero.core.store import InPlaceStore, MasterStore, ShardStore
+
+Packed = tuple[FlatParamBuffer, ShardStore | None]  # a buffer and its store (None: frozen, stage 3 only)
+
+
+class Packer:
+    """Builds the buffers and stores of one engine. See the module docstring.
+
+    Args:
+        module: the model (for its parameter order and batch-norm layers).
+        names: every parameter's (first) name.
+        comm: the shard group.
+        device: where sharded tensors live.
+        policy: the dtypes held.
+        bucket_cap_bytes: the size of a stage-1/2 bucket.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        names: dict[nn.Parameter, str],
+        comm: Communicator,
+        device: torch.device,
+        policy: PrecisionPolicy,
+        bucket_cap_bytes: int,
+    ) -> None:
+        self.module = module
+        self.names = names
+        self.comm = comm
+        self.device = device
+        self.policy = policy
+        self.bucket_cap_bytes = bucket_cap_bytes
+        # Batch norm keeps fp32 parameters next to its fp32 statistics in 16-bit runs (see norm_params).
+        self.keep_dtype = norm_params(module) if policy.param_dtype is not None else set()
+
+    def store_for(self, buffer: FlatParamBuffer, optimized: bool) -> ShardStore:
+        """The store of a trainable buffer; call while the buffer holds its full values (it may cast them)."""
+        kept = buffer.params[0] in self.keep_dtype or not buffer.data.dtype.is_floating_point
+        if optimized and not kept and self.policy.master_dtype is not None:
+            store = MasterStore(buffer, self.policy.master_dtype)
+            buffer.cast(self.policy.param_dtype)
+            return store
+        return InPlaceStore(buffer)
+
+    def replicated(self, groups: Sequence[Sequence[nn.Parameter]]) -> list[Packed]:
+        """Stages 1, 2: buckets of ``groups`` (trainable parameters per param group), in launch order."""
+        order = {p: i for i, p in enumerate(reversed(list(self.names)))}
+        planned: list[list[nn.Parameter]] = []
+        for params in groups:
+            for same in split_by_dtype(sorted(params, key=order.__getitem__), self.keep_dtype):
+                cap = max(1, self.bucket_cap_bytes // same[0].element_size())
+                planned.extend([same[i] for i in indices] for indices in plan_buckets([p.numel() for p in same], cap))
+        planned.sort(key=lambda members: order[members[0]])
+        packed: list[Packed] = []
+        for members in planned:
+            buffer = ReplicatedBuffer(members, self.comm.rank, self.comm.world_size)
+            packed.append((buffer, self.store_for(buffer, optimized=True)))
+        return packed
+
+    def units(self, wrap_policy: WrapPolicy, optimized: set[int]) -> tuple[list[GatherUnit], list[Packed]]:
+        """Stage 3: every unit (the root last), each created, initialised and sharded in turn; its buffers in
+        launch order (backward meets the last units first)."""
+        unit_modules = select_units(self.module, wrap_policy)
+        assigned = assign_params(self.module, unit_modules)
+        materialize_buffers(self.module, self.device)
+        module_names = {module: name for name, module in self.module.named_modules()}
+        units: list[GatherUnit] = []
+        packed: list[Packed] = []
+        for unit_module in [*unit_modules, self.module]:
+            params = assigned[unit_module]
+            on_meta = [p for p in params if p.is_meta]
+            buffers = self._sharded(params)
+            initialise(self.module, on_meta)
+            unit_packed = [(buffer, self._commit(buffer, optimized)) for buffer in buffers]
+            name = module_names.get(unit_module) or "<root>"
+            units.append(GatherUnit(unit_module, name, buffers, is_root=unit_module is self.module))
+            packed.extend(unit_packed)
+        with torch.no_grad():
+            for tensor in self.module.buffers():
+                self.comm.broadcast(tensor, src=0)
+        return units, list(reversed(packed))
+
+    def split_frozen(self, unit: GatherUnit, buffer: ShardedBuffer, optimized: set[int]) -> list[Packed]:
+        """Stage 3: a frozen buffer of a gathered ``unit`` whose parameters became trainable, split by
+        ``requires_grad`` into new buffers that replace it in the unit (see [Note: changes after setup])."""
+        with engine_access():
+            for param in buffer.params:
+                RestingParameter.release(param)
+        new = self._sharded(buffer.params)
+        index = unit.buffers.index(buffer)
+        unit.buffers[index : index + 1] = new
+        unit.holds_frozen = any(not p.requires_grad for b in unit.buffers for p in b.params)
+        return [(piece, self._commit(piece, optimized)) for piece in new]
+
+    def _sharded(self, params: Sequence[nn.Parameter]) -> list[ShardedBuffer]:
+        return [
+            ShardedBuffer(same, self.comm.rank, self.comm.world_size, device=self.device)
+            for flag in (True, False)
+            for same in split_by_dtype([p for p in params if p.requires_grad is flag], self.keep_dtype)
+        ]
+
+    def _commit(self, buffer: ShardedBuffer, optimized: set[int]) -> ShardStore | None:
+        """Rank 0's values everywhere (whatever each rank's RNG did), the store chosen, only the shard kept."""
+        self.comm.broadcast(buffer.data, src=0)
+        store = None
+        if buffer.params[0].requires_grad:
+            store = self.store_for(buffer, optimized=any(id(p) in optimized for p in buffer.params))
+        buffer.commit_shard()
+        with engine_access():
+            for param in buffer.params:
+                RestingParameter.adopt(param, self.names[param])
+        return store
+
+
+def split_by_dtype(params: list[nn.Parameter], keep_dtype: set[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``params`` grouped by (dtype, device, in ``keep_dtype``), each group in the given order."""
+    groups: dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]] = {}
+    for param in params:
+        groups.setdefault((param.dtype, param.device, param in keep_dtype), []).append(param)
+    return list(groups.values())
+
+
+def norm_params(module: nn.Module) -> set[nn.Parameter]:
+    """Parameters of batch-norm layers. Their running statistics stay fp32, and CPU ``batch_norm`` (no autocast op)
+    needs its weight in their dtype, so a 16-bit policy leaves these parameters in fp32 (as FSDP's mixed precision
+    does): the optimizer updates them directly, without a master."""
+    return {p for m in module.modules() if isinstance(m, _BatchNorm) for p in m.parameters(recurse=False)}
