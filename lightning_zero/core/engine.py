@@ -53,7 +53,13 @@ from lightning_zero.core.scheduler import Stage3Scheduler
 from lightning_zero.core.stage1 import FullGradBucket
 from lightning_zero.core.stage2 import ShardGradBucket
 from lightning_zero.core.stage3 import GatherUnit
-from lightning_zero.core.step import LossScaling, OptimizerStep, StepEntry
+from lightning_zero.core.step import (
+    LossScaling,
+    OptimizerStep,
+    StepEntry,
+    install_module_zero_grad,
+    uninstall_module_zero_grad,
+)
 from lightning_zero.core.store import MasterStore, ShardStore
 
 _BUCKET_TYPES: dict[int, type[GradBucket]] = {1: FullGradBucket, 2: ShardGradBucket, 3: ShardGradBucket}
@@ -126,6 +132,7 @@ class ZeroEngine:
             for optimizer in self.optimizers
         ]
         self._bind_optimizers()
+        install_module_zero_grad(module, self.steps)
         self._fingerprint = self._trainable_fingerprint()
         self._change_flag = torch.zeros(2, dtype=torch.uint8, device=self.device)
         self._end_queued = False
@@ -472,6 +479,7 @@ class ZeroEngine:
         some) and stop driving the module and its optimizers (collective). The optimizer state keeps its shards."""
         for step in self.steps:
             step.uninstall()
+        uninstall_module_zero_grad(self.module)
         self.remove_hooks()
         with torch.no_grad(), engine_access():
             for buffer in self.buffers:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -302,6 +303,43 @@ class OptimizerStep:
             if g is not None and g.untyped_storage().data_ptr() != e.bucket.shard_grad.untyped_storage().data_ptr()
         }
         return sum(storages.values())
+
+
+class ModuleGradShards:
+    """The optimizer steps whose held gradients ``module.zero_grad()`` empties too (installed on the module by
+    :func:`install_module_zero_grad`). A copy of the module (``copy.deepcopy``, pickling) holds none."""
+
+    def __init__(self, steps: Sequence[OptimizerStep]) -> None:
+        self.steps = list(steps)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModuleGradShards:
+        return ModuleGradShards([])
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return ModuleGradShards, ([],)
+
+
+def install_module_zero_grad(module: nn.Module, steps: Sequence[OptimizerStep]) -> None:
+    """Make ``module.zero_grad()`` empty the held gradient shards as ``optimizer.zero_grad()`` does (Lightning calls
+    it before each validation loop and each stage): without it, the module's parameters hold no ``grad`` to empty."""
+    module._zero_grad_shards = ModuleGradShards(steps)  # type: ignore[assignment]
+    module.zero_grad = types.MethodType(_module_zero_grad, module)  # type: ignore[method-assign]
+
+
+def uninstall_module_zero_grad(module: nn.Module) -> None:
+    module.__dict__.pop("zero_grad", None)
+    module.__dict__.pop("_zero_grad_shards", None)
+
+
+def _module_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
+    holder = module.__dict__.get("_zero_grad_shards")
+    for step in holder.steps if holder is not None else []:
+        step.zero_grad(set_to_none)
+    type(module).zero_grad(module, set_to_none)
+
+
+# Pickle stores a bound method as getattr(module, name): a pickled module then gets its class's zero_grad back.
+_module_zero_grad.__name__ = _module_zero_grad.__qualname__ = "zero_grad"
 
 
 @functools.cache
