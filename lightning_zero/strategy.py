@@ -130,6 +130,7 @@ class ZeroStrategy(ParallelStrategy):
         self._comm: Communicator | None = None
         self._engine: ZeroEngine | None = None
         self._checkpointing_applied = False  # forward wrappers are added once per strategy
+        self._sync_buffers_next = True
 
     # ------------------------------------------------------------------ topology
     @property
@@ -294,10 +295,17 @@ class ZeroStrategy(ParallelStrategy):
             # Whatever an exception in the last iteration left is reset; parameters unfrozen or added to an optimizer
             # since then are sharded (collective).
             self._engine.begin_iteration()
-            self._engine.sync_buffers()
+            # As DDP: rank 0's buffers (BatchNorm statistics) are broadcast in a forward that follows one whose
+            # gradients were reduced, not after a micro-batch of gradient accumulation.
+            if self._sync_buffers_next:
+                self._engine.sync_buffers()
+            self._sync_buffers_next = not self._engine.in_no_sync
             # Stage 3: the step may use root-unit parameters without calling the root's forward; the end of
-            # backward frees them again.
+            # backward frees them again, except in manual optimization, where forwards may follow a backward.
             self._engine.unshard_root()
+            if not self.lightning_module.automatic_optimization:
+                with self._engine.hold_root():
+                    return super().training_step(*args, **kwargs)
         return super().training_step(*args, **kwargs)
 
     @override
@@ -505,15 +513,14 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ lifecycle
     @override
     def teardown(self) -> None:
-        # The engine stays (without hooks) so memory_report(), save_checkpoint() and gathered_params() work after
-        # fit. A stage-3 module stays sharded where it is: gathering it here could exceed a rank's memory, and its
-        # parameters hold no values to move (Lightning's teardown moves the module to the CPU; this one does the
-        # rest of what Lightning's does).
-        if self._engine is not None:
-            self._engine.remove_hooks()
-        if self._engine is None or not self._engine.units:
+        # The engine stays (without hooks) so memory_report(), save_checkpoint(), gathered_params() and evaluation
+        # work after fit, and so does the module, where it is: its parameters are views of the engine's buffers
+        # (at stage 3, of freed ones: gathering them here could exceed a rank's memory). Lightning's teardown would
+        # move the module to the CPU, away from those buffers; this one does the rest of what Lightning's does.
+        if self._engine is None:
             super().teardown()
             return
+        self._engine.remove_hooks()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()

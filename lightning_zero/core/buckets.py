@@ -235,6 +235,10 @@ class GradReducer:
             self._sync = previous
 
     @property
+    def in_no_sync(self) -> bool:
+        return not self._sync
+
+    @property
     def reducing(self) -> bool:
         """Whether the backward pass now running (or about to run) reduces."""
         return self._sync or self.reduce_every_backward

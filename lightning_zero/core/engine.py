@@ -36,6 +36,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core import named_state
 from lightning_zero.core.buckets import BucketState, GradBucket, GradReducer
@@ -48,7 +49,7 @@ from lightning_zero.core.named_state import NamedState
 from lightning_zero.core.optim_state import shard_param_state
 from lightning_zero.core.options import EngineOptions
 from lightning_zero.core.packing import Packed, Packer
-from lightning_zero.core.rest import RestingParameter, engine_access
+from lightning_zero.core.rest import RestingParameter, clone_gathered_in_state_dicts, engine_access
 from lightning_zero.core.scheduler import Stage3Scheduler
 from lightning_zero.core.stage1 import FullGradBucket
 from lightning_zero.core.stage2 import ShardGradBucket
@@ -111,6 +112,7 @@ class ZeroEngine:
         self._bucket_of: dict[int, GradBucket] = {}  # id(buffer) -> its bucket
         self.units: list[GatherUnit] = []  # stage 3 only; the root unit last
         self._unit_of: dict[int, GatherUnit] = {}  # stage 3: id(buffer) -> its unit
+        self._state_dict_hooks: list[RemovableHandle] = []  # stage 3: state_dict() in gathered() copies
         self.reducer = GradReducer(
             [],
             comm,
@@ -124,6 +126,7 @@ class ZeroEngine:
             self.units, packed = self.packer.units(options.wrap_policy, {id(p) for p in self._optimized()})
             self._unit_of = {id(b): unit for unit in self.units for b in unit.buffers}
             self._add_buffers(packed)
+            self._state_dict_hooks = clone_gathered_in_state_dicts(module)
         else:
             self._add_buffers(self.packer.replicated(self._optimized_trainable()))
         self.scheduler = Stage3Scheduler(self.units, self.topology.gather, options.overlap_comm) if self.units else None
@@ -297,6 +300,11 @@ class ZeroEngine:
         with self.reducer.no_sync():
             yield
 
+    @property
+    def in_no_sync(self) -> bool:
+        """Inside :meth:`no_sync` (a micro-batch of gradient accumulation that is not the last)."""
+        return self.reducer.in_no_sync
+
     def use_loss_scaler(self, scaler: DynamicLossScaler | None) -> None:
         """Scale fp16 losses with ``scaler`` from now on (its state is the caller's to save and load)."""
         self.scaling.scaler = scaler
@@ -317,6 +325,8 @@ class ZeroEngine:
             self._reset_pass()
         for step in self.steps:
             step.discard()
+        if self.scheduler is not None:
+            self.scheduler.open_plan()  # see [Note: stage-3 backward plan]
         scaler = self.scaling.scaler
         if scaler is None:
             return loss
@@ -354,9 +364,8 @@ class ZeroEngine:
     def _on_bucket_ready(self, bucket_index: int) -> None:
         assert self.scheduler is not None
         unit = self._unit_of[id(self.buckets[bucket_index].buffer)]
-        ready = all(self._bucket_of[id(b)].ready for b in unit.buffers if id(b) in self._bucket_of)
-        if ready and self.scheduler.may_free(unit):
-            unit.reshard()
+        if all(self._bucket_of[id(b)].ready for b in unit.buffers if id(b) in self._bucket_of):
+            self.scheduler.gradients_complete(unit)
 
     # ------------------------------------------------------------------ step
     def manages(self, optimizer: Optimizer) -> bool:
@@ -414,6 +423,15 @@ class ZeroEngine:
         """Gather the root unit: Lightning's step methods use it without calling the root's forward."""
         if self.scheduler is not None:
             self.scheduler.unshard_root()
+
+    @contextmanager
+    def hold_root(self) -> Iterator[None]:
+        """Stage 3: keep the root unit gathered inside the block, across backward passes (a no-op before)."""
+        if self.scheduler is None:
+            yield
+            return
+        with self.scheduler.hold_root():
+            yield
 
     def reshard_all(self) -> None:
         """Free every unit; a step (or an evaluation batch) is over."""
@@ -480,6 +498,8 @@ class ZeroEngine:
         for step in self.steps:
             step.uninstall()
         uninstall_module_zero_grad(self.module)
+        for handle in self._state_dict_hooks:
+            handle.remove()
         self.remove_hooks()
         with torch.no_grad(), engine_access():
             for buffer in self.buffers:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch._C import DisableTorchFunctionSubclass
+from torch.utils.hooks import RemovableHandle
 
 _ACCESS = threading.local()  # the engine's own reads and writes of resting parameters (engine_access)
 
@@ -47,9 +48,18 @@ _METADATA: frozenset[Callable[..., Any]] = frozenset(
         if hasattr(getattr(Tensor, name, None), "__set__")
     ]
     + [
+        getattr(torch, name)  # functional forms, and factories that take only the shape, dtype and device
+        for name in (
+            "numel", "is_floating_point", "is_complex", "zeros_like", "ones_like", "empty_like",
+            "full_like", "rand_like", "randn_like", "randint_like",
+        )
+        if hasattr(torch, name)
+    ]
+    + [
         getattr(Tensor, name)
         for name in (
-            "size", "dim", "numel", "nelement", "ndimension", "element_size", "is_floating_point", "is_complex",
+            "is_pinned", "new_zeros", "new_ones", "new_empty", "new_full", "size", "dim", "numel", "nelement",
+            "ndimension", "element_size", "is_floating_point", "is_complex",
             "is_contiguous", "stride", "storage_offset", "untyped_storage", "requires_grad_", "register_hook",
             "register_post_accumulate_grad_hook", "__hash__", "__len__", "get_device", "is_signed",
             "_is_view", "is_inference", "data_ptr", "retain_grad",
@@ -86,6 +96,9 @@ class RestingParameter(nn.Parameter):
                     return _equal_without_values(*args[:2])
                 if _is_noop(func, resting, args, kwargs):
                     return None if func is _SET_DATA else resting
+                if not _reads_values(func, resting, args, kwargs):
+                    with DisableTorchFunctionSubclass():
+                        return func(*args, **kwargs)
                 raise _resting_error(resting, func)
         with DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -111,6 +124,19 @@ class RestingParameter(nn.Parameter):
             raise _resting_error(self, "pickling (torch.save)")
         with DisableTorchFunctionSubclass():
             return torch._utils._rebuild_parameter, (self.data.clone(), self.requires_grad, {})
+
+
+def clone_gathered_in_state_dicts(module: nn.Module) -> list[RemovableHandle]:
+    """``state_dict()`` taken inside ``gathered()`` holds copies: views of a unit's storage would read freed memory
+    once the block ends (a ``state_dict`` is usually kept, e.g. saved afterwards). Outside the block it raises."""
+    return [m.register_state_dict_post_hook(_clone_gathered) for m in module.modules() if m._parameters]
+
+
+def _clone_gathered(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    for name, param in module._parameters.items():
+        value = state_dict.get(prefix + name)
+        if isinstance(param, RestingParameter) and isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
+            state_dict[prefix + name] = value.clone()  # keep_vars=True returns the parameters themselves, uncopied
 
 
 @contextmanager
@@ -159,6 +185,17 @@ def _is_noop(func: Any, param: Tensor, args: tuple, kwargs: dict) -> bool:
             same_dtype = dtype is None or dtype == param.dtype
             return same_device and same_dtype and memory_format in (None, torch.preserve_format)
     return False
+
+
+def _reads_values(func: Any, param: Tensor, args: tuple, kwargs: dict) -> bool:
+    """``p.type()`` (the type's name) and ``p.to("meta")`` (a tensor with p's metadata) read no values."""
+    with DisableTorchFunctionSubclass():
+        if func is Tensor.type:
+            return bool(args[1:] or kwargs)
+        if func is Tensor.to and args and args[0] is param:
+            device = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+            return device is None or torch.device(device).type != "meta"
+    return True
 
 
 def _equal_without_values(a: Tensor, b: Tensor) -> bool:

@@ -3,15 +3,19 @@
 [Note: stage-3 backward plan]
 Every rank must issue the same gathers in the same order, but in backward a rank gathers a unit only
 when its own graph reaches it: a rank whose loss does not use a unit's output (or no parameter at all)
-would skip gathers that the others wait in. So backward follows a plan that every rank derives alike:
-the units whose forward outputs required grad since the last backward, in reverse order of their
-forwards' ends (so an outer unit comes before the units nested in it). When a rank needs a unit in
-backward it issues the plan's entries up to that unit's next one; the end of backward issues whatever
-is left. An entry whose unit is still gathered issues nothing, and a unit with entries left is not freed,
-so that decision is the same on every rank. Gathers run over a group of their own (core/groups.py),
-so their order never has to interleave with the reductions' identically on every rank. A unit needed
-in backward with no entry left (a backward of a graph whose units another backward already consumed,
-e.g. forward A, forward B, backward A, backward B) raises instead of gathering out of order.
+would skip gathers that the others wait in. So a backward follows a plan that every rank derives alike:
+the units whose forward outputs required grad since the last plan, in reverse order of their forwards'
+ends (so an outer unit comes before the units nested in it). The plan opens when the caller announces a
+backward (``ZeroEngine.scale_loss``, which the Lightning glue calls before every backward): an event every
+rank reaches, unlike the first unit a backward needs. When a rank needs a unit it issues the plan's entries
+up to that unit's next one; the end of backward issues whatever is left. An entry whose unit is still
+gathered issues nothing, and a unit with entries left is not freed, so that decision is the same on every
+rank. Gathers run over a group of their own (core/groups.py), so their order never has to interleave with
+the reductions' identically on every rank. With a plan open, a unit needed with no entry left (a backward
+of a graph whose units another backward already consumed: forward A, forward B, backward A, backward B)
+raises instead of gathering out of order. A backward no plan announced (``torch.autograd.grad`` of an input,
+as a gradient penalty or a saliency map computes, or a loop that does not call ``scale_loss``) gathers each
+unit when it needs it, as it comes: every rank must then reach the same units.
 
 [Note: stage-3 prefetch]
 With ``overlap_comm=True`` the order in which units were gathered for forward in the last pass
@@ -54,7 +58,10 @@ class Stage3Scheduler:
         self._plan: list[GatherUnit] = []  # the current backward's entries (reversed _recorded)
         self._cursor = 0  # next entry of _plan to issue
         self._remaining: Counter[GatherUnit] = Counter()  # entries left per unit
-        self._in_backward = False  # a plan exists: a backward started since the last forward's end
+        self._input_hooks: Counter[GatherUnit] = Counter()  # per unit, its forwards whose inputs need gradients
+        self._pinned: set[GatherUnit] = set()  # reached by a create_graph backward: stay until the backward ends
+        self._plan_open = False  # a backward was announced and has not ended
+        self._root_held = False  # the caller uses root parameters across backward passes (see hold_root)
         self._running_task: int | None = None  # the autograd graph task now running through units, until it ends
         self._order: list[GatherUnit] = []  # forward gather order of the last complete pass (prefetch)
         self._seen: list[GatherUnit] = []  # this pass's forward gather order so far
@@ -70,12 +77,16 @@ class Stage3Scheduler:
         """A backward raised: forget its plan and free what it gathered (not the root, which the step still uses);
         the entries recorded by a forward since then stay for the next backward."""
         self._running_task = None
-        if not self._in_backward:
+        if not self._plan_open:
             return
-        self._in_backward = False
-        self._plan, self._cursor, self._remaining = [], 0, Counter()
+        self._clear_plan()
         for unit in self.units[:-1]:
             unit.reshard()
+
+    def _clear_plan(self) -> None:
+        self._plan_open = False
+        self._plan, self._cursor, self._remaining, self._input_hooks = [], 0, Counter(), Counter()
+        self._pinned = set()
 
     def register_hooks(self) -> None:
         for unit in self.units:
@@ -87,9 +98,10 @@ class Stage3Scheduler:
 
     # ------------------------------------------------------------------ between steps
     def begin_iteration(self) -> None:
-        """Forget a pass that did not finish (an exception, a forward without backward) and free every unit."""
-        self._recorded, self._plan, self._cursor, self._remaining = [], [], 0, Counter()
-        self._in_backward, self._running_task = False, None
+        """Free every unit and forget any plan: a pass that raised left it (see :meth:`abandon_backward`)."""
+        self.abandon_backward()
+        self._recorded = []
+        self._clear_plan()
         self._seen, self._forward_cursor = [], 0
         for unit in self.units:
             unit.reshard()
@@ -99,12 +111,29 @@ class Stage3Scheduler:
         self.root.unshard(self.comm)
 
     def reshard_all(self) -> None:
-        """Free every unit; a step (or an evaluation batch) is over."""
+        """Free every unit, the root too; a step (or an evaluation batch) is over. Forwards no backward followed
+        leave no entries behind."""
+        if not self._plan_open:
+            self._recorded = []
         for unit in self.units:
             unit.reshard()
         if self._seen:
             self._order, self._seen = self._seen, []
         self._forward_cursor = 0
+
+    @contextmanager
+    def hold_root(self) -> Iterator[None]:
+        """The root stays gathered inside the block, across backward passes: a Lightning ``training_step`` in
+        manual optimization uses root parameters without calling the root's forward, before and after each
+        ``manual_backward``."""
+        self._root_held = True
+        self.unshard_root()
+        try:
+            yield
+        finally:
+            self._root_held = False
+            if not self._plan_open:
+                self.root.reshard()
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -140,11 +169,26 @@ class Stage3Scheduler:
                     register_multi_grad_hook(tensors, lambda grads: self._need(unit), mode="any")
                     if not recomputing and not unit.is_root:
                         self._recorded.append(unit)
+                        self._hook_inputs(unit, args)
             if not recomputing and not (unit.is_root and torch.is_grad_enabled()):
                 unit.reshard()
             return output
 
         return hook
+
+    def _hook_inputs(self, unit: GatherUnit, args: Any) -> None:
+        """When the gradients of a unit's inputs are computed, its backward is over: it may be freed then. Its
+        parameters' gradients alone do not tell (autograd may still hold a view of a weight used detached)."""
+        # Leaves are left out: torch.autograd.grad cannot tell whether it reaches them (a saliency map).
+        inputs = [t for t in tree_leaves(args) if isinstance(t, Tensor) and t.requires_grad and t.grad_fn is not None]
+        if inputs:
+            register_multi_grad_hook(inputs, lambda grads: self._inputs_done(unit), mode="all")
+            self._input_hooks[unit] += 1
+
+    def _inputs_done(self, unit: GatherUnit) -> None:
+        self._input_hooks[unit] = max(0, self._input_hooks[unit] - 1)
+        if not self._input_hooks[unit] and not self._remaining[unit] and unit not in self._pinned:
+            unit.reshard()
 
     def _prefetch_forward(self, unit: GatherUnit) -> None:
         if not self.prefetch:
@@ -157,23 +201,27 @@ class Stage3Scheduler:
             self._order[position + 1].start_unshard(self.comm)
 
     # ------------------------------------------------------------------ backward
-    def _start_backward(self) -> None:
+    def open_plan(self) -> None:
+        """A backward is about to run (on every rank): the units recorded since the last plan, in reverse order."""
+        self._plan_open = True
+        self._plan.extend(reversed(self._recorded))
+        self._remaining.update(self._recorded)
+        self._recorded = []
+
+    def _track_pass(self) -> None:
         task = torch._C._current_graph_task_id()
         if task != -1 and task != self._running_task:  # a backward (or autograd.grad) pass begins to use units
             self._running_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._pass_ended)
-        if self._in_backward:
-            return
-        self._in_backward = True
-        self._plan, self._recorded, self._cursor = list(reversed(self._recorded)), [], 0
-        self._remaining = Counter(self._plan)
 
     def _need(self, unit: GatherUnit) -> None:
         """Backward reached ``unit``: issue the plan up to its entry and wait. See [Note: stage-3 backward plan].
 
         Reaching a unit does not make a backward one that reduces: ``torch.autograd.grad`` of an input (a gradient
         penalty) reaches units too. The end of backward is queued by gradient hooks, or run by ``finish_backward``."""
-        self._start_backward()
+        self._track_pass()
+        if torch.is_grad_enabled():  # torch.autograd.grad(create_graph=True): its graph may use the unit again
+            self._pinned.add(unit)
         if unit.is_root:
             unit.unshard(self.comm)
             return
@@ -182,6 +230,8 @@ class Stage3Scheduler:
                 pass
             if self.prefetch and self._cursor < len(self._plan):
                 self._issue_next()
+        elif not self._plan_open:
+            unit.unshard(self.comm)  # no backward was announced: gathered when needed (see the note)
         elif not unit.gathered_or_pending:
             raise RuntimeError(
                 f"ZeroStrategy(stage=3): unit {unit.name!r} is needed by this backward pass, but no forward since the "
@@ -202,25 +252,35 @@ class Stage3Scheduler:
         """The graph task that reached units ended normally (the plan stays for a later backward of the step)."""
         self._running_task = None
 
-    def may_free(self, unit: GatherUnit) -> bool:
-        """Whether ``unit`` may be freed in backward now that its gradients are complete."""
-        return not unit.holds_frozen and not unit.is_root and not self._remaining[unit]
+    def gradients_complete(self, unit: GatherUnit) -> None:
+        """Every trainable parameter of ``unit`` got its gradient in this pass: free it, if nothing else tells when
+        its backward is over (its inputs need no gradient) and it holds nothing frozen (whose backward may come
+        later) and no plan entry is left for it."""
+        busy = self._input_hooks[unit] or self._remaining[unit] or unit in self._pinned
+        if not (busy or unit.holds_frozen or unit.is_root):
+            unit.reshard()
 
     def finish_backward(self) -> None:
-        """Issue the plan's remaining entries (units this rank's graph did not reach), each freed once done."""
-        self._start_backward()
+        """Issue the plan's remaining entries (units this rank's graph did not reach)."""
+        self._flush_plan()
+
+    def _flush_plan(self) -> None:
         while self._cursor < len(self._plan):
             unit = self._issue_next()
             unit.wait()
-            if not self._remaining[unit]:
+            if not self._remaining[unit] and not unit.is_root and unit not in self._pinned:
                 unit.reshard()
 
     def end_backward(self) -> None:
-        """After the reductions: free every unit; the next forward records a new plan."""
-        self._in_backward = False
+        """After the reductions: free every unit (the root unless held, see :meth:`hold_root`); the next forward
+        records a new plan."""
         self._running_task = None
-        self._plan, self._cursor, self._remaining = [], 0, Counter()
-        self.reshard_all()
+        self._clear_plan()
+        for unit in self.units if not self._root_held else self.units[:-1]:
+            unit.reshard()
+        if self._seen:
+            self._order, self._seen = self._seen, []
+        self._forward_cursor = 0
 
 
 def _in_backward() -> bool:

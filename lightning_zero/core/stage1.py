@@ -38,11 +38,14 @@ class FullGradBucket(GradBucket):
 
     def clear(self, slots: Sequence[int], set_to_none: bool) -> None:
         super().clear(slots, set_to_none)
-        for slot in slots:  # gradients set aside at the restart are cleared too
+        for slot in slots:
             if set_to_none:
                 self._live_at_restart[slot] = False
-            if self._carry is not None:
+            if self._carry is not None:  # gradients set aside at the restart are cleared too
                 self.buffer.owned(self._carry, slot).zero_()
+            if not self._reduced:  # and the local sums of an accumulation (no_sync) not yet reduced
+                self._slot_view(self.full_grad, slot).zero_()
+                self.locally_used[slot] = False
 
     def _begin_filling(self) -> None:
         self._pass_continues_window = any(self.locally_used)

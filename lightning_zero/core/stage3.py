@@ -13,10 +13,14 @@ gather the units inside it.
 Forward: a pre-hook gathers the unit; a post-hook frees it again (except the root, whose backward
 follows at once, and except during backward, where activation checkpointing recomputes) and hooks the
 outputs so that the first gradient flowing into them gathers the unit again for its backward (see
-[Note: stage-3 backward plan]). The unit is freed as soon as all of its trainable parameters have
-received their gradient, or at the end of backward when it holds frozen parameters (their backward may
-come later). Gradients go through the same buckets as stage 2: one per buffer, reduce-scattered into
-the shard. Between uses every parameter rests (see [Note: stage-3 parameters at rest]).
+[Note: stage-3 backward plan]). The unit is freed as soon as its backward is over: when the gradients of
+its inputs are computed (autograd may hold a view of a weight after the weight's own gradient is done, e.g.
+a weight also used detached), or, where its inputs need no gradient, once all its trainable parameters got
+theirs; at the end of backward when it holds frozen parameters, or when a ``create_graph`` backward (a
+gradient penalty) reached it, whose graph the backward runs through again. The root stays gathered from the
+start of a training step to the end of its backward (in Lightning's manual optimization, to the end of the
+step). Gradients go through the same buckets as stage 2: one per buffer, reduce-scattered into the shard.
+Between uses every parameter rests (see [Note: stage-3 parameters at rest]).
 """
 
 from __future__ import annotations

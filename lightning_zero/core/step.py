@@ -207,12 +207,14 @@ class OptimizerStep:
             return [grad for grad in self._step_grads if grad is not None]
         return [grad for entry in self.entries if (grad := entry.bucket.held(entry.slot)) is not None]
 
-    def zero_grad(self, set_to_none: bool) -> None:
-        """``optimizer.zero_grad()``: empty (or zero) the held gradients of this optimizer's parameters."""
+    def zero_grad(self, set_to_none: bool, only: set[int] | None = None) -> None:
+        """``optimizer.zero_grad()``: empty (or zero) the held gradients of this optimizer's parameters (of those
+        whose ``id`` is in ``only``, for a module's ``zero_grad``)."""
         self.discard()
         by_bucket: dict[int, tuple[GradBucket, list[int]]] = {}
         for entry in self.entries:
-            by_bucket.setdefault(id(entry.bucket), (entry.bucket, []))[1].append(entry.slot)
+            if only is None or id(entry.param) in only:
+                by_bucket.setdefault(id(entry.bucket), (entry.bucket, []))[1].append(entry.slot)
         for bucket, slots in by_bucket.values():
             bucket.clear(slots, set_to_none)
 
@@ -319,22 +321,28 @@ class ModuleGradShards:
         return ModuleGradShards, ([],)
 
 
-def install_module_zero_grad(module: nn.Module, steps: Sequence[OptimizerStep]) -> None:
-    """Make ``module.zero_grad()`` empty the held gradient shards as ``optimizer.zero_grad()`` does (Lightning calls
-    it before each validation loop and each stage): without it, the module's parameters hold no ``grad`` to empty."""
-    module._zero_grad_shards = ModuleGradShards(steps)  # type: ignore[assignment]
-    module.zero_grad = types.MethodType(_module_zero_grad, module)  # type: ignore[method-assign]
+def install_module_zero_grad(root: nn.Module, steps: Sequence[OptimizerStep]) -> None:
+    """Make ``module.zero_grad()`` of ``root`` and of each of its submodules (``self.generator.zero_grad()``) empty
+    the held gradient shards of its parameters, as ``optimizer.zero_grad()`` does (Lightning calls the root's
+    before each validation loop): without it, the parameters hold no ``grad`` to empty."""
+    holder = ModuleGradShards(steps)
+    for module in root.modules():
+        module._zero_grad_shards = holder  # type: ignore[assignment]
+        module.zero_grad = types.MethodType(_module_zero_grad, module)  # type: ignore[method-assign]
 
 
-def uninstall_module_zero_grad(module: nn.Module) -> None:
-    module.__dict__.pop("zero_grad", None)
-    module.__dict__.pop("_zero_grad_shards", None)
+def uninstall_module_zero_grad(root: nn.Module) -> None:
+    for module in root.modules():
+        module.__dict__.pop("zero_grad", None)
+        module.__dict__.pop("_zero_grad_shards", None)
 
 
 def _module_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
     holder = module.__dict__.get("_zero_grad_shards")
-    for step in holder.steps if holder is not None else []:
-        step.zero_grad(set_to_none)
+    if holder is not None and holder.steps:
+        params = {id(p) for p in module.parameters()}
+        for step in holder.steps:
+            step.zero_grad(set_to_none, only=params)
     type(module).zero_grad(module, set_to_none)
 
 

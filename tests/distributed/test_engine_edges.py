@@ -63,6 +63,60 @@ def _module_zero_grad_case(rank: int, stage: int) -> float:
         return relative_difference(reference, model)
 
 
+def _no_sync_then_zero_grad_case(rank: int, stage: int) -> float:
+    """A micro-batch accumulated under ``no_sync``, then ``zero_grad``, then the reducing backward: the step sees
+    only the last one's gradients (stage 1 keeps local sums between them, which zero_grad must drop too)."""
+    torch.manual_seed(0)
+    initial = TinyLM()
+    runs = []
+    for use_ddp in (True, False):
+        model = copy.deepcopy(initial)
+        optimizer = _sgd(model)
+        wrapped = DistributedDataParallel(model) if use_ddp else _engine(model, optimizer, stage)
+        for step in range(STEPS):
+            with wrapped.no_sync():
+                loss_fn(model if not use_ddp else wrapped, *batch(100 * step + rank)).backward()
+            optimizer.zero_grad()
+            loss_fn(model if not use_ddp else wrapped, *batch(100 * step + 10 + rank)).backward()
+            optimizer.step()
+        runs.append((model, wrapped))
+    (reference, _), (model, engine) = runs
+    with engine.gathered():
+        return relative_difference(reference, model)
+
+
+def _gathered_state_dict_case(rank: int) -> dict[str, Any]:
+    """Stage 3: a state_dict taken inside gathered() holds copies that outlive the block (it is usually saved after
+    it); outside the block, metadata of a parameter works and its values raise."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+    engine = _engine(model, _sgd(model), 3)
+    with engine.gathered():
+        state = model.state_dict()
+        expected = {k: v.clone() for k, v in state.items()}
+    weight = model[0].weight
+    out = {"kept": all(torch.equal(state[k], expected[k]) for k in expected)}  # read after the block
+    out["metadata"] = [
+        tuple(torch.zeros_like(weight).shape),
+        tuple(torch.empty_like(weight).shape),
+        tuple(weight.new_zeros(3).shape),
+        torch.numel(weight),
+        torch.is_floating_point(weight),
+        weight.type(),
+        weight.is_pinned(),
+        tuple(weight.to("meta").shape),
+    ]
+    errors = []
+    for read in (lambda: weight.sum(), lambda: weight.to(torch.float64), lambda: weight.type(torch.float64)):
+        try:
+            read()
+            errors.append("no error")
+        except RuntimeError as error:
+            errors.append(str(error))
+    out["errors"] = errors
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- gradient penalty
 class Critic(nn.Module):
     """A WGAN-GP critic: the loss adds ``(|d out / d x| - 1)^2``, computed with ``torch.autograd.grad``."""
@@ -71,18 +125,26 @@ class Critic(nn.Module):
         super().__init__()
         self.layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
 
-    def loss(self, x: Tensor) -> Tensor:
-        x = x.clone().requires_grad_(True)
-        out = self.layers(x)
-        (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)  # reaches every unit, reduces nothing
-        return out.mean() + ((grad.norm(dim=1) - 1) ** 2).mean()
+    def loss(self, x: Tensor, penalty_first: bool = False) -> Tensor:
+        """``penalty_first``: the penalty's torch.autograd.grad runs before the forward of the loss itself (as
+        WGAN-GP code often orders it): a backward through units that no ``scale_loss`` announced."""
+        interpolated = x.flip(0).clone().requires_grad_(True)
+        if penalty_first:
+            penalty = self._penalty(interpolated)
+            return self.layers(x).mean() + penalty
+        out = self.layers(x).mean()
+        return out + self._penalty(interpolated)
+
+    def _penalty(self, x: Tensor) -> Tensor:
+        (grad,) = torch.autograd.grad(self.layers(x).sum(), x, create_graph=True)  # reaches every unit
+        return ((grad.norm(dim=1) - 1) ** 2).mean()
 
 
 def _critic_batch(step: int, rank: int) -> Tensor:
     return torch.randn(8, 6, generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
-def _penalty_case(rank: int, world_size: int, stage: int) -> float:
+def _penalty_case(rank: int, world_size: int, stage: int, penalty_first: bool) -> float:
     torch.manual_seed(0)
     initial = Critic()
     reference = copy.deepcopy(initial)  # one process, every rank's loss, averaged: the gradient DDP would reduce
@@ -90,7 +152,7 @@ def _penalty_case(rank: int, world_size: int, stage: int) -> float:
     for step in range(STEPS):
         optimizer.zero_grad()
         for other in reversed(range(world_size)):
-            (reference.loss(_critic_batch(step, other)) / world_size).backward()
+            (reference.loss(_critic_batch(step, other), penalty_first) / world_size).backward()
         optimizer.step()
     model = copy.deepcopy(initial)
     optimizer = _sgd(model)
@@ -98,7 +160,7 @@ def _penalty_case(rank: int, world_size: int, stage: int) -> float:
     for step in range(STEPS):
         engine.begin_iteration()
         optimizer.zero_grad()
-        engine.scale_loss(model.loss(_critic_batch(step, rank))).backward()
+        engine.scale_loss(model.loss(_critic_batch(step, rank), penalty_first)).backward()
         engine.finish_backward()
         optimizer.step()
     with engine.gathered():
@@ -106,22 +168,26 @@ def _penalty_case(rank: int, world_size: int, stage: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- backward order
-def _interleaved_case(rank: int) -> str:
-    """Stage 3: forward A, forward B, backward A, backward B. Every rank must gather the same units in the same
-    order, so backward B (whose units backward A's plan already issued and freed) raises; no rank hangs."""
+def _interleaved_case(rank: int, announced: bool) -> str:
+    """Stage 3: forward A, forward B, backward A, backward B. Announced (``scale_loss``, as the Lightning glue
+    does), a backward follows a plan every rank derives alike, so backward B (whose units backward A's plan
+    already issued and freed) raises rather than gathering out of order; no rank hangs, and the engine is
+    usable again. Unannounced, each backward gathers what its graph reaches (every rank must then reach the same
+    units), and the same order works."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
     engine = _engine(model, _sgd(model), 3)
     out_a = model(torch.randn(4, 6)).sum()
     out_b = model(torch.randn(4, 6)).sum()
-    out_a.backward()
+    (engine.scale_loss(out_a) if announced else out_a).backward()
     engine.finish_backward()
     try:
-        out_b.backward()
+        (engine.scale_loss(out_b) if announced else out_b).backward()
+        engine.finish_backward()
     except RuntimeError as error:
-        engine.begin_iteration()  # the engine is usable again
-        loss = model(torch.randn(4, 6)).sum()
-        loss.backward()
+        engine.begin_iteration()
+        engine.scale_loss(model(torch.randn(4, 6)).sum()).backward()
+        engine.finish_backward()
         return str(error)
     return "no error"
 
@@ -130,8 +196,12 @@ def _all_cases(rank: int, world_size: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for stage in STAGES:
         results[f"module_zero_grad/{stage}"] = _module_zero_grad_case(rank, stage)
-        results[f"penalty/{stage}"] = _penalty_case(rank, world_size, stage)
-    results["interleaved"] = _interleaved_case(rank)
+        results[f"penalty/{stage}"] = _penalty_case(rank, world_size, stage, penalty_first=False)
+        results[f"penalty_first/{stage}"] = _penalty_case(rank, world_size, stage, penalty_first=True)
+        results[f"no_sync_zero_grad/{stage}"] = _no_sync_then_zero_grad_case(rank, stage)
+    results["gathered_state_dict"] = _gathered_state_dict_case(rank)
+    results["interleaved"] = _interleaved_case(rank, announced=True)
+    results["interleaved_unannounced"] = _interleaved_case(rank, announced=False)
     return results
 
 
@@ -147,16 +217,32 @@ def test_module_zero_grad_empties_the_held_gradients(results: list[dict[str, Any
         assert result[f"module_zero_grad/{stage}"] <= RTOL, f"rank {rank}: {result[f'module_zero_grad/{stage}']}"
 
 
+@pytest.mark.parametrize("order", ["penalty", "penalty_first"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_gradient_penalty_through_autograd_grad(results: list[dict[str, Any]], stage: int) -> None:
-    """``torch.autograd.grad(..., create_graph=True)`` before the backward reaches every stage-3 unit without
-    ending the backward; the parameters equal the averaged-loss reference."""
+def test_gradient_penalty_through_autograd_grad(results: list[dict[str, Any]], stage: int, order: str) -> None:
+    """``torch.autograd.grad(..., create_graph=True)`` reaches every stage-3 unit without ending the backward,
+    before or after the loss's own forward; the parameters equal the averaged-loss reference."""
     for rank, result in enumerate(results):
-        assert result[f"penalty/{stage}"] <= RTOL, f"rank {rank}: {result[f'penalty/{stage}']}"
+        assert result[f"{order}/{stage}"] <= RTOL, f"rank {rank}: {result[f'{order}/{stage}']}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_grad_after_a_no_sync_backward_drops_it(results: list[dict[str, Any]], stage: int) -> None:
+    for rank, result in enumerate(results):
+        assert result[f"no_sync_zero_grad/{stage}"] <= RTOL, f"rank {rank}: {result[f'no_sync_zero_grad/{stage}']}"
+
+
+def test_state_dict_taken_inside_gathered_outlives_the_block(results: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(results):
+        value = result["gathered_state_dict"]
+        assert value["kept"], f"rank {rank}"
+        assert value["metadata"] == [(6, 6), (6, 6), (3,), 36, True, "torch.FloatTensor", False, (6, 6)]
+        assert all("'0.weight'" in e and "gathered_params" in e for e in value["errors"]), value["errors"]
 
 
 def test_backward_of_an_earlier_forward_raises_naming_the_unit(results: list[dict[str, Any]]) -> None:
     for rank, result in enumerate(results):
+        assert result["interleaved_unannounced"] == "no error", f"rank {rank}: {result['interleaved_unannounced']}"
         message = result["interleaved"]
         assert "is needed by this backward pass" in message, f"rank {rank}: {message}"
         assert "forward A, forward B, backward A, backward B" in message, f"rank {rank}: {message}"
