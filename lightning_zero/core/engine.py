@@ -40,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core import named_state
 from lightning_zero.core.buckets import BucketState, GradBucket, GradReducer
+from lightning_zero.core.changes import ChangeWatch
 from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.flat_buffer import FlatParamBuffer
 from lightning_zero.core.groups import Topology
@@ -136,8 +137,8 @@ class ZeroEngine:
         ]
         self._bind_optimizers()
         install_module_zero_grad(module, self.steps)
-        self._fingerprint = self._trainable_fingerprint()
-        self._change_flag = torch.zeros(2, dtype=torch.uint8, device=self.device)
+        self.changes = ChangeWatch(self.optimizers, comm, self.device)  # see [Note: changes after setup]
+        self.changes.remember(self._managed_ids())
         self._end_queued = False
         self._backward_ended = False  # the end of backward ran from autograd; finish_backward consumes it
         self.last_step_comm = CommStats()
@@ -242,32 +243,12 @@ class ZeroEngine:
             step.discard()
         if self.scheduler is not None:
             self.scheduler.begin_iteration()
-        fingerprint = self._trainable_fingerprint()
-        changed = fingerprint != self._fingerprint
-        self._change_flag[0], self._change_flag[1] = int(changed), int(not changed)
-        self.comm.all_reduce(self._change_flag, op="max")
-        if bool(self._change_flag[0]) and bool(self._change_flag[1]):
-            everyone = self.comm.all_gather_object(changed)
-            raise RuntimeError(
-                "ranks disagree on which parameters are trainable or in an optimizer: ranks "
-                f"{[r for r, c in enumerate(everyone) if c]} changed them since the last iteration, ranks "
-                f"{[r for r, c in enumerate(everyone) if not c]} did not. Unfreeze parameters and add param groups "
-                "on every rank alike (e.g. in a callback, which runs on every rank)."
-            )
-        if changed:
+        if self.changes.changed(self._managed_ids()):
             self._take_changes()
-            self._fingerprint = self._trainable_fingerprint()
+            self.changes.remember(self._managed_ids())
 
-    def _trainable_fingerprint(self) -> tuple[object, ...]:
-        """Each optimizer's parameters, and whether the ones without a bucket are trainable (a managed parameter
-        frozen and unfrozen, as ``toggle_optimizer`` does, changes nothing the engine holds)."""
-        managed = {id(p) for b in self.buffers if id(b) in self.stores for p in b.params}
-        return tuple(
-            (id(p), p.requires_grad if id(p) not in managed else None)
-            for o in self.optimizers
-            for g in o.param_groups
-            for p in g["params"]
-        ) + tuple(len(o.param_groups) for o in self.optimizers)
+    def _managed_ids(self) -> set[int]:
+        return {id(p) for b in self.buffers if id(b) in self.stores for p in b.params}
 
     def _take_changes(self) -> None:
         """Shard the parameters that became trainable in an optimizer since setup (collective)."""

@@ -240,6 +240,8 @@ class OptimizerStep:
         if self._finite:
             for store in self._stores:
                 store.finish()
+        self._release()  # the wide step gradients go before the gather of new shards needs its memory
+        if self._finite:
             wait_all([buffer.publish(self.comm) for buffer in self._buffers])
         self._end_step(stepped=self._finite)
 
