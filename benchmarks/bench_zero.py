@@ -119,8 +119,13 @@ SYSTEMS = (
     "zero3",
     "fsdp2",
     "zero1_torch",
-    *(f"{base}{BF16}" for base in ("ddp", "zero1", "zero2", "zero3", "fsdp2")),
+    "base1",
+    "base2",
+    "base3",
+    *(f"{base}{BF16}" for base in ("ddp", "zero1", "zero2", "zero3", "fsdp2", "base1", "base2", "base3")),
 )
+# base1-base3: an earlier commit's core, imported under the package name in this variable (see ab_core.py).
+BASELINE_ENV = "BENCH_BASELINE_PACKAGE"
 RSS_VARIANTS = {"as-is": {}, "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # process-group backend per --device
 _TIMEOUT_S = 1800
@@ -442,8 +447,66 @@ class FSDP2System(System):
         return {name: p.full_tensor().detach().clone() for name, p in self.model.named_parameters()}
 
 
+class BaselineZeroSystem(ZeroSystem):
+    """``base1``-``base3`` (and ``*_bf16``): the core of an earlier commit, prepared by ``benchmarks/ab_core.py``
+    under another package name, in the same interleaved run as the current one. Older cores took a ``ZeroConfig``
+    and finished a step with ``finish_step``; the calls they lack are skipped."""
+
+    def __init__(self, name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> None:
+        import importlib
+
+        package = os.environ[BASELINE_ENV]
+        engine_module = importlib.import_module(f"{package}.core.engine")
+        comm_module = importlib.import_module(f"{package}.core.comm")
+        precision_module = importlib.import_module(f"{package}.core.mixed_precision")
+        try:
+            options = importlib.import_module(f"{package}.core.options").EngineOptions
+        except ImportError:
+            options = importlib.import_module(f"{package}.config").ZeroConfig
+        self._setup(name, args)
+        self.model = make_model(cfg, args.seed).to(self.device)
+        self.optimizer = make_adamw(self.model, args.lr)
+        config = options(stage=int(base_system(name)[-1]), bucket_cap_mb=args.bucket_cap_mb)
+        policy_type = precision_module.PrecisionPolicy
+        self.policy = policy_type(torch.bfloat16, torch.float32, torch.float32) if self.bf16 else None
+        communicator = comm_module.Communicator(group)
+        self.engine = engine_module.ZeroEngine(
+            self.model, [self.optimizer], config, communicator, device=self.device, precision=self.policy
+        )
+        self.last_comm = {}
+
+    def step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+        device, engine = self.device, self.engine
+        t0 = now(device)
+        getattr(engine, "begin_iteration", lambda: None)()
+        t1 = now(device)
+        self.optimizer.zero_grad()
+        with self.forward_context():
+            loss = _loss(self.model, x, y)
+        t2 = now(device)
+        loss.backward()
+        getattr(engine, "finish_backward", lambda: None)()
+        t3 = now(device)
+        engine.prepare_step(self.optimizer)
+        t4 = now(device)
+        self.optimizer.step()
+        getattr(engine, "finish_step", lambda optimizer: None)(self.optimizer)
+        t5 = now(device)
+        stats = engine.last_step_comm
+        self.last_comm = {"nbytes": stats.nbytes, "calls": stats.calls, "by_op": dict(stats.by_op)}
+        return {
+            "begin_iteration": t1 - t0,
+            "forward": t2 - t1,
+            "backward": t3 - t2,
+            "prepare_step": t4 - t3,
+            "optimizer": t5 - t4,
+        }
+
+
 def build_system(name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> System:
     base = base_system(name)
+    if base.startswith("base"):
+        return BaselineZeroSystem(name, cfg, args, group)
     if base.startswith("ddp"):
         return DDPSystem(name, cfg, args, group)
     if base == "zero1_torch":
@@ -454,7 +517,7 @@ def build_system(name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any
 def formula_bytes(name: str, numel: int, world_size: int) -> float:
     """Model-state bytes per rank for AdamW in the ZeRO paper's accounting (fp32; bf16-mixed: section 3.1)."""
     psi, n = numel, world_size
-    base = base_system(name)
+    base = base_system(name).replace("base", "zero")  # a baseline core shards as the stage it is
     if base.startswith("ddp"):  # ddp_bf16 too: fp32 parameters, gradients and AdamW states
         return 16 * psi
     if is_bf16(name):  # bf16 parameters (2) and gradients (2); fp32 master (4) and AdamW states (8)
