@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_zero.checkpoint.metadata import CheckpointError
 from lightning_zero.checkpoint.sharded import ShardedCheckpoint
 
 _PICKLE_PROTOCOL = 2  # what torch.save uses
@@ -83,8 +84,15 @@ def consolidate(
         progress: called as ``progress(bytes_written, total_bytes)`` after each tensor.
 
     Raises:
-        CheckpointError: if the checkpoint is incomplete, corrupt or of an unsupported format version.
+        CheckpointError: if the checkpoint is incomplete, corrupt or of an unsupported format version, or if
+            ``out_file`` is a directory.
     """
+    if Path(out_file).is_dir():
+        raise CheckpointError(
+            f"'{out_file}' is a directory: consolidate writes one ordinary checkpoint file. Pass a file path, e.g. "
+            f"'{Path(out_file).with_suffix('.ckpt')}'; to load a sharded directory into a model without a file, use "
+            "lightning_zero.load_from_checkpoint(Model, directory)."
+        )
     checkpoint = ShardedCheckpoint(sharded_dir)
     checkpoint.release()
     storages: list[_LazyStorage] = []

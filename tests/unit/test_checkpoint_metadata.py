@@ -81,6 +81,15 @@ def test_a_file_is_not_a_sharded_checkpoint(tmp_path: Path) -> None:
         read_metadata(tmp_path / "missing")
 
 
+def test_consolidate_into_a_directory_says_to_pass_a_file(tmp_path: Path) -> None:
+    """consolidate writes one file: an output path that is a directory (the sharded one, say) is refused at once."""
+    from lightning_zero.checkpoint import consolidate
+
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(CheckpointError, match=r"is a directory: consolidate writes one ordinary checkpoint file"):
+        consolidate(tmp_path / "ckpt", tmp_path / "ckpt")
+
+
 def test_a_different_model_names_its_first_difference(tmp_path: Path) -> None:
     metadata = _write(tmp_path / "ckpt")
     same = {name: dict(spec, ranges=[]) for name, spec in TENSORS.items()}
