@@ -25,10 +25,9 @@ BACKENDS = ("nccl", "gloo")
 # Options that the contract names and the core does not implement yet; each maps to the issue that
 # builds it, so the error can say so instead of silently ignoring the option.
 _NOT_YET_BUILT = {
-    "offload_optimizer": "the offload issue",
-    "offload_params": "the offload issue",
-    "partition='parameter'": "the whole-tensor owners issue",
-    "shard_size": "the hybrid sharding issue",
+    "offload_params='nvme'": ("the offload issue", "Use offload_params='cpu' (with offload_optimizer='nvme') for now."),
+    "partition='parameter'": ("the whole-tensor owners issue", "Use partition='flat' for now."),
+    "shard_size": ("the hybrid sharding issue", "Use shard_size=None for now."),
 }
 
 
@@ -85,16 +84,16 @@ class ZeroConfig:
 
     def _check_built(self) -> None:
         requested = {
-            "offload_optimizer": bool(self.offload_optimizer),
-            "offload_params": bool(self.offload_params),
+            "offload_params='nvme'": self.offload_params == "nvme",
             "partition='parameter'": self.partition == "parameter",
             "shard_size": self.shard_size is not None,
         }
         for option, asked in requested.items():
             if asked:
+                tracked, instead = _NOT_YET_BUILT[option]
                 raise NotImplementedError(
-                    f"ZeroStrategy({option}) is part of the contract but not built yet (tracked in "
-                    f"{_NOT_YET_BUILT[option]}). Use stage 1 or 2 without it for now."
+                    f"ZeroStrategy({option}) is part of the contract but not built yet (tracked in {tracked}). "
+                    f"{instead}"
                 )
 
     @property
@@ -103,7 +102,15 @@ class ZeroConfig:
 
     def engine_options(self) -> EngineOptions:
         """What the sharding core needs of these options."""
-        return EngineOptions(self.stage, self.bucket_cap_mb, self.overlap_comm, self.wrap_policy)
+        return EngineOptions(
+            self.stage,
+            self.bucket_cap_mb,
+            self.overlap_comm,
+            self.wrap_policy,
+            offload_optimizer=self.offload_optimizer,
+            offload_params=self.offload_params,
+            nvme_path=self.nvme_path,
+        )
 
     def describe(self) -> dict[str, Any]:
         """The options that every rank must agree on, as plain values (for the rank-agreement check)."""

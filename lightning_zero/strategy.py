@@ -536,7 +536,7 @@ class ZeroStrategy(ParallelStrategy):
             "zero_1": ({"stage": 1}, "ZeRO stage 1: optimizer state sharded"),
             "zero_2": ({"stage": 2}, "ZeRO stage 2: optimizer state and gradients sharded"),
             "zero_3": ({"stage": 3}, "ZeRO stage 3: optimizer state, gradients and parameters sharded"),
-            # In the contract; offload is not built yet, so selecting these raises NotImplementedError saying so.
+            # As Lightning's deepspeed_stage_2_offload / deepspeed_stage_3_offload.
             "zero_2_offload": ({"stage": 2, "offload_optimizer": "cpu"}, "ZeRO stage 2, optimizer state on the CPU"),
             "zero_3_offload": (
                 {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},

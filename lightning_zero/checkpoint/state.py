@@ -83,7 +83,7 @@ def load_optimizer(
         loaded = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in values.items()}
         for key in loaded.pop("__tensor_keys__"):
             if tensor is not None:
-                loaded[key] = read((index, key), name, tensor.start, tensor.end).to(tensor.owned().device)
+                loaded[key] = read((index, key), name, tensor.start, tensor.end).to(tensor.state_device)
             else:  # a parameter no buffer holds yet (frozen now, in the optimizer): its state in full form
                 shape = state.shape_of(name)
                 loaded[key] = read((index, key), name, 0, math.prod(shape)).view(shape)

@@ -47,6 +47,8 @@ from lightning_zero.core.groups import Topology
 from lightning_zero.core.memory import MemoryReport, tensor_nbytes
 from lightning_zero.core.mixed_precision import DynamicLossScaler, PrecisionPolicy
 from lightning_zero.core.named_state import NamedState
+from lightning_zero.core.offload import IOCounts, Offload, prefer_fused_kernels
+from lightning_zero.core.offload.checks import check_offload, offloaded_bytes_per_rank
 from lightning_zero.core.optim_state import shard_param_state
 from lightning_zero.core.options import EngineOptions
 from lightning_zero.core.packing import Packed, Packer
@@ -122,7 +124,8 @@ class ZeroEngine:
             on_backward_event=self._queue_end_of_backward,
             on_bucket_ready=self._on_bucket_ready if options.stage == 3 else None,
         )
-        self.packer = Packer(module, self.names, comm, self.device, self.policy, options.bucket_cap_bytes)
+        self.offload = self._build_offload()
+        self.packer = Packer(module, self.names, comm, self.device, self.policy, options.bucket_cap_bytes, self.offload)
         if options.stage == 3:
             self.units, packed = self.packer.units(options.wrap_policy, {id(p) for p in self._optimized()})
             self._unit_of = {id(b): unit for unit in self.units for b in unit.buffers}
@@ -171,6 +174,17 @@ class ZeroEngine:
         fix = "Pass the same ZeroStrategy options and Trainer precision on every rank."
         self.comm.agree("ZeroStrategy options and precision", options, fix)
 
+    def _build_offload(self) -> Offload | None:
+        """Check what offload needs of every rank's machine (collective) and open the rank's swap file."""
+        options = self.options
+        if not (options.offload_optimizer or options.offload_params):
+            return None
+        if options.offload_optimizer:
+            needed = offloaded_bytes_per_rank(self.optimizers, self.comm.world_size)
+            check_offload(options.offload_optimizer, options.nvme_path, needed, self.comm)
+            prefer_fused_kernels(self.optimizers)
+        return Offload(options.offload_optimizer, options.offload_params, options.nvme_path, self.comm.rank)
+
     @staticmethod
     def broadcast_module_states(module: nn.Module, comm: Communicator) -> None:
         """Give every rank rank 0's parameters and buffers, as DDP does at construction."""
@@ -203,7 +217,8 @@ class ZeroEngine:
             if store is None:
                 continue
             self.stores[id(buffer)] = store
-            reduce_dtype = self.policy.reduce_dtype if isinstance(store, MasterStore) else None
+            widened = self.policy.param_dtype is not None and buffer.data.dtype == self.policy.param_dtype
+            reduce_dtype = self.policy.reduce_dtype if isinstance(store, MasterStore) or widened else None
             bucket = bucket_type(buffer, self.comm, reduce_dtype)
             self.buckets.append(bucket)
             self._bucket_of[id(buffer)] = bucket
@@ -224,6 +239,7 @@ class ZeroEngine:
                 self._shard_existing_state(step.optimizer, param, buffer, slot)
             step.set_entries(entries)
             step.install()
+            self.absorb_optimizer_state(step.optimizer)
 
     def _shard_existing_state(
         self, optimizer: Optimizer, param: nn.Parameter, buffer: FlatParamBuffer, slot: int
@@ -232,6 +248,27 @@ class ZeroEngine:
         shape = buffer.layout.slots[slot].shape
         if state and any(isinstance(v, Tensor) and tuple(v.shape) == shape and v.dim() > 0 for v in state.values()):
             optimizer.state[param] = shard_param_state(state, buffer.pieces[slot], shape, self.names[param])
+
+    def absorb_optimizer_state(self, optimizer: Optimizer) -> None:
+        """Optimizer state set from outside (a checkpoint, state made before setup) moves into paged stores."""
+        for store, params in self._paged_params(optimizer):
+            store.absorb_state(optimizer, params)  # type: ignore[attr-defined]
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[int, dict]:
+        """``optimizer``'s state by ``id(param)``, with state that rests in paged stores read back (copies)."""
+        states = {id(p): dict(s) for p, s in optimizer.state.items() if s}
+        for store, params in self._paged_params(optimizer):
+            states.update(store.read_state(optimizer, params))  # type: ignore[attr-defined]
+        return states
+
+    def _paged_params(self, optimizer: Optimizer) -> list[tuple[ShardStore, list[tuple[nn.Parameter, int]]]]:
+        by_store: dict[int, tuple[ShardStore, list[tuple[nn.Parameter, int]]]] = {}
+        for step in self.steps:
+            if step.optimizer is optimizer:
+                for entry in step.entries:
+                    if entry.store.paged:
+                        by_store.setdefault(id(entry.store), (entry.store, []))[1].append((entry.param, entry.slot))
+        return list(by_store.values())
 
     # ------------------------------------------------------------------ each iteration
     def begin_iteration(self) -> None:
@@ -492,6 +529,10 @@ class ZeroEngine:
                     param.data = values.clone()
                     RestingParameter.release(param)
                 del full
+        for store in self.stores.values():
+            store.close()
+        if self.offload is not None:
+            self.offload.close()
         self.units, self.scheduler = [], None
 
     # ------------------------------------------------------------------ reports
@@ -503,6 +544,23 @@ class ZeroEngine:
             params = sum(b.nbytes for b in self.buffers) + sum(tensor_nbytes(p) for p in unmanaged)
             grads = sum(b.nbytes for b in self.buckets) + sum(tensor_nbytes(p.grad) for p in unmanaged)
         grads += sum(step.step_grad_nbytes for step in self.steps)
-        states = [v for o in self.optimizers for s in o.state.values() for v in s.values()]
         masters = sum(store.nbytes for store in self.stores.values())  # counted with the optimizer, as in the paper
-        return MemoryReport(params=params, gradients=grads, optimizer_states=sum(map(tensor_nbytes, states)) + masters)
+        offloaded = sum(store.offloaded_nbytes for store in self.stores.values())
+        offloaded += sum(b.shard_nbytes for b in self.buffers if getattr(b, "shard_offloaded", False))
+        host_params = {id(e.param) for s in self.steps for e in s.entries if e.store.offloaded}
+        resident = offloaded_states = 0
+        for optimizer in self.optimizers:
+            for param, state in optimizer.state.items():
+                nbytes = sum(map(tensor_nbytes, state.values()))
+                if id(param) in host_params:
+                    offloaded_states += nbytes
+                else:
+                    resident += nbytes
+        return MemoryReport(
+            params=params, gradients=grads, optimizer_states=resident + masters, offloaded=offloaded + offloaded_states
+        )
+
+    @property
+    def io_counts(self) -> IOCounts:
+        """Bytes this rank's swap file read and wrote so far (``offload_optimizer="nvme"``)."""
+        return self.offload.io if self.offload is not None else IOCounts()

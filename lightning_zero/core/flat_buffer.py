@@ -183,13 +183,35 @@ class ReplicatedBuffer(FlatParamBuffer):
 
 
 class ShardedBuffer(FlatParamBuffer):
-    """Stage 3: the shard is a tensor of its own; the full buffer exists only while gathered."""
+    """Stage 3: the shard is a tensor of its own; the full buffer exists only while gathered. With
+    ``shard_home`` (``offload_params="cpu"``) the shard rests there and is copied to the device for each gather."""
 
     may_change_at_rest = False  # writes at rest are refused (see [Note: stage-3 parameters at rest])
 
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        rank: int,
+        world_size: int,
+        device: torch.device | None = None,
+        shard_home: torch.device | None = None,
+    ) -> None:
+        self.shard_home = shard_home
+        super().__init__(params, rank, world_size, device)
+
     def _make_shard(self) -> Tensor:
         lo, hi = self.bounds
-        return self.data[lo:hi].clone()
+        if self.shard_home is None or self.shard_home == self.data.device:
+            return self.data[lo:hi].clone()
+        from lightning_zero.core.offload.host import host_empty
+
+        shard = host_empty(hi - lo, self.data.dtype, pin=self.data.device.type == "cuda")
+        return shard.copy_(self.data[lo:hi])
+
+    @property
+    def shard_offloaded(self) -> bool:
+        """The shard rests off the device (``offload_params``)."""
+        return self.shard_home is not None
 
     @property
     def state(self) -> ShardedState:
@@ -210,7 +232,7 @@ class ShardedBuffer(FlatParamBuffer):
         # storage with a version counter of its own, so backward does not take it for an in-place change of
         # the saved views (the values are the same: see [Note: freeing gathered storage]).
         target = torch.empty(0, dtype=self.data.dtype, device=self.data.device).set_(storage, 0, self.data.shape)
-        return comm.all_gather(target, self.shard, async_op=True)
+        return comm.all_gather(target, self.shard.to(self.data.device, non_blocking=True), async_op=True)
 
     def commit_shard(self) -> None:
         """Keep this rank's part of the full buffer as the shard and free the rest (setup)."""
@@ -228,4 +250,10 @@ class ShardedBuffer(FlatParamBuffer):
 
     @property
     def nbytes(self) -> int:
-        return self.data.untyped_storage().nbytes() + self.shard.numel() * self.shard.element_size()
+        """Device bytes (the shard too, unless it rests off the device)."""
+        shard = 0 if self.shard_offloaded else self.shard_nbytes
+        return self.data.untyped_storage().nbytes() + shard
+
+    @property
+    def shard_nbytes(self) -> int:
+        return self.shard.numel() * self.shard.element_size()

@@ -59,6 +59,14 @@ class ShardedTensor:
         """A view of this rank's elements, in :attr:`dtype` (clone it to keep it)."""
         return self._buffer.owned(self._engine.best_values(self._buffer), self._slot)
 
+    @property
+    def state_device(self) -> torch.device:
+        """Where the optimizer keeps this parameter's state (the host for offloaded stores)."""
+        store = self._engine.stores.get(id(self._buffer))
+        if store is None:
+            return self._buffer.shard.device
+        return torch.device("cpu") if store.offloaded else store.step_view(self._slot).device
+
     def load(self, read: Read) -> None:
         """Set this rank's elements (and, at stages 1 and 2, where every rank holds every element, the rest) from
         ``read``; values are cast to the dtypes held, so a checkpoint moves between precisions."""
@@ -143,7 +151,8 @@ class NamedState:
         engine = self._engine
         optimizer = engine.optimizers[index]
         managed = [entry.param for entry in engine.steps[index].entries]
-        return {engine.names[p]: dict(optimizer.state[p]) for p in managed if optimizer.state.get(p)}
+        states = engine.optimizer_state(optimizer)  # paged-out state read back (see core/offload/disk.py)
+        return {engine.names[p]: states[id(p)] for p in managed if states.get(id(p))}
 
     def load_optimizer_shard_state(
         self, index: int, hyperparameters: list[dict[str, Any]], states: Mapping[str, dict[str, Any]]
@@ -157,6 +166,7 @@ class NamedState:
         by_name = {engine.names[p]: p for g in optimizer.param_groups for p in g["params"]}
         for name, state in states.items():
             optimizer.state[by_name[name]] = state
+        engine.absorb_optimizer_state(optimizer)
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         """The full shape of parameter ``name``."""
@@ -173,6 +183,7 @@ class NamedState:
 def full_optimizer_state_dict(engine: ZeroEngine, optimizer: Optimizer) -> dict[str, Any]:
     """The state dict ``optimizer`` would have without sharding (collective; every rank gets it)."""
     entries = {id(e.param): e for e in engine.step_of(optimizer).entries}
+    held = engine.optimizer_state(optimizer)
     full: dict[int, dict[str, Any]] = {}
     for buffer in engine.buffers:
         if id(buffer) not in engine.stores:
@@ -180,9 +191,7 @@ def full_optimizer_state_dict(engine: ZeroEngine, optimizer: Optimizer) -> dict[
         mine = {
             entries[id(p)].slot: p for p in buffer.params if id(p) in entries and entries[id(p)].store.buffer is buffer
         }
-        states = [
-            dict(optimizer.state.get(mine[slot], {})) if slot in mine else {} for slot in range(len(buffer.params))
-        ]
+        states = [held.get(id(mine[slot]), {}) if slot in mine else {} for slot in range(len(buffer.params))]
         for slot, state in enumerate(gather_param_states(buffer, states, engine.comm)):
             if state and slot in mine:
                 full[id(mine[slot])] = state
@@ -222,7 +231,9 @@ def load_full_optimizer_state_dict(engine: ZeroEngine, optimizer: Optimizer, sta
         buffer = entry.store.buffer
         shape = buffer.layout.slots[entry.slot].shape
         sliced = shard_param_state(state, buffer.pieces[entry.slot], shape, engine.names[param])
-        optimizer.state[param] = {k: _to(v, buffer.shard.device) for k, v in sliced.items()}
+        home = entry.store.step_view(entry.slot).device if not entry.store.offloaded else torch.device("cpu")
+        optimizer.state[param] = {k: _to(v, home) for k, v in sliced.items()}
+    engine.absorb_optimizer_state(optimizer)
 
 
 def full_state_dict(engine: ZeroEngine, keep: bool) -> dict[str, Tensor]:
@@ -254,7 +265,7 @@ def load_masters(engine: ZeroEngine, state_dict: Mapping[str, Tensor]) -> None:
             saved = state_dict.get(tensor.name)
             if saved is not None and tensor.end > tensor.start:
                 store = engine.stores.get(id(tensor._buffer))
-                if isinstance(store, MasterStore):
+                if isinstance(store, MasterStore) or (store is not None and store.paged):
                     store.load_owned(tensor._slot, saved.detach().reshape(-1)[tensor.start : tensor.end])
 
 

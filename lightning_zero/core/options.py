@@ -26,12 +26,19 @@ class EngineOptions:
         bucket_cap_mb: size of the gradient buckets (stages 1 and 2).
         overlap_comm: reduce buckets while backward still runs; at stage 3 also prefetch the next unit.
         wrap_policy: stage-3 gather units (module classes or a ``callable(module) -> bool``; ``None``: default).
+        offload_optimizer: ``"cpu"`` or ``"nvme"``: the fp32 master and optimizer state live (and step) off the
+            device; ``False``: on it.
+        offload_params: ``"cpu"``: stage-3 parameter shards rest in host memory between gathers.
+        nvme_path: the directory of each rank's swap file (``offload_optimizer="nvme"``).
     """
 
     stage: int = 2
     bucket_cap_mb: float = 25
     overlap_comm: bool = True
     wrap_policy: Any = None
+    offload_optimizer: str | bool = False
+    offload_params: str | bool = False
+    nvme_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES or isinstance(self.stage, bool):
@@ -40,6 +47,14 @@ class EngineOptions:
             raise ValueError(f"bucket_cap_mb must be a number of megabytes, got {self.bucket_cap_mb!r}.")
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}. The default is 25.")
+        if self.offload_optimizer not in (False, "cpu", "nvme"):
+            raise ValueError(f"offload_optimizer={self.offload_optimizer!r}: choose False, 'cpu' or 'nvme'.")
+        if self.offload_params not in (False, "cpu"):
+            raise ValueError(f"offload_params={self.offload_params!r}: choose False or 'cpu'.")
+        if self.offload_params and self.stage != 3:
+            raise ValueError(f"offload_params={self.offload_params!r} needs stage=3, got stage={self.stage}.")
+        if self.offload_optimizer == "nvme" and not self.nvme_path:
+            raise ValueError("offload_optimizer='nvme' needs nvme_path, a directory on a fast local disk.")
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -52,6 +67,8 @@ class EngineOptions:
             "bucket_cap_mb": self.bucket_cap_mb,
             "overlap_comm": self.overlap_comm,
             "wrap_policy": describe_policy(self.wrap_policy),
+            "offload_optimizer": self.offload_optimizer,
+            "offload_params": self.offload_params,
         }
 
 

@@ -6,6 +6,8 @@ order (see [Note: bucket order]). Stage 3 packs every parameter of each gather u
 units]) into :class:`ShardedBuffer` s by (``requires_grad``, dtype), which keep only their shard. Precision
 chooses each trainable buffer's store (see core/store.py): a :class:`MasterStore` for 16-bit parameters that
 an optimizer trains, an :class:`InPlaceStore` otherwise (fp32 runs; batch-norm, complex and integer parameters).
+With offload, every floating-point buffer an optimizer trains gets the offload's store instead (core/offload/),
+and stage-3 shards rest where the offload says.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from lightning_zero.core.comm import Communicator
 from lightning_zero.core.flat_buffer import FlatParamBuffer, ReplicatedBuffer, ShardedBuffer
 from lightning_zero.core.layout import plan_buckets
 from lightning_zero.core.mixed_precision import PrecisionPolicy
+from lightning_zero.core.offload import Offload
 from lightning_zero.core.options import WrapPolicy
 from lightning_zero.core.rest import RestingParameter, engine_access
 from lightning_zero.core.stage3 import GatherUnit, assign_params, initialise, materialize_buffers, select_units
@@ -38,6 +41,7 @@ class Packer:
         device: where sharded tensors live.
         policy: the dtypes held.
         bucket_cap_bytes: the size of a stage-1/2 bucket.
+        offload: where offloaded states live (``None``: everything on ``device``).
     """
 
     def __init__(
@@ -48,6 +52,7 @@ class Packer:
         device: torch.device,
         policy: PrecisionPolicy,
         bucket_cap_bytes: int,
+        offload: Offload | None = None,
     ) -> None:
         self.module = module
         self.names = names
@@ -55,12 +60,21 @@ class Packer:
         self.device = device
         self.policy = policy
         self.bucket_cap_bytes = bucket_cap_bytes
+        self.offload = offload
         # Batch norm keeps fp32 parameters next to its fp32 statistics in 16-bit runs (see norm_params).
         self.keep_dtype = norm_params(module) if policy.param_dtype is not None else set()
 
     def store_for(self, buffer: FlatParamBuffer, optimized: bool) -> ShardStore:
         """The store of a trainable buffer; call while the buffer holds its full values (it may cast them)."""
         kept = buffer.params[0] in self.keep_dtype or not buffer.data.dtype.is_floating_point
+        floating = buffer.data.dtype.is_floating_point
+        if optimized and floating and self.offload is not None:
+            master_dtype = torch.promote_types(buffer.data.dtype, self.policy.master_dtype or torch.float32)
+            offloaded = self.offload.store(buffer, master_dtype)
+            if offloaded is not None:
+                if not kept:
+                    buffer.cast(self.policy.param_dtype)
+                return offloaded
         if optimized and not kept and self.policy.master_dtype is not None:
             store = MasterStore(buffer, self.policy.master_dtype)
             buffer.cast(self.policy.param_dtype)
@@ -117,9 +131,13 @@ class Packer:
         unit.holds_frozen = any(not p.requires_grad for b in unit.buffers for p in b.params)
         return [(piece, self._commit(piece, optimized)) for piece in new]
 
+    @property
+    def shard_home(self) -> torch.device | None:
+        return self.offload.shard_home if self.offload is not None else None
+
     def _sharded(self, params: Sequence[nn.Parameter]) -> list[ShardedBuffer]:
         return [
-            ShardedBuffer(same, self.comm.rank, self.comm.world_size, device=self.device)
+            ShardedBuffer(same, self.comm.rank, self.comm.world_size, device=self.device, shard_home=self.shard_home)
             for flag in (True, False)
             for same in split_by_dtype([p for p in params if p.requires_grad is flag], self.keep_dtype)
         ]

@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_zero.core.buckets import GradBucket
 from lightning_zero.core.comm import Communicator, wait_all
 from lightning_zero.core.mixed_precision import DynamicLossScaler
+from lightning_zero.core.offload.disk import run_paged
 from lightning_zero.core.rest import engine_access
 from lightning_zero.core.store import ShardStore
 
@@ -96,6 +97,7 @@ class OptimizerStep:
         self._clipped = False
         self._step_grads: list[Tensor | None] = []
         self._handles: list[RemovableHandle] = []
+        self._paging = False
         self.set_entries(entries)
 
     def set_entries(self, entries: Sequence[StepEntry]) -> None:
@@ -220,6 +222,8 @@ class OptimizerStep:
 
     # ------------------------------------------------------------------ the step window
     def _enter(self) -> None:
+        if self._paging:
+            return
         finite = self.prepare()
         self._check_unmanaged()
         self.state = StepState.STEPPING
@@ -227,10 +231,44 @@ class OptimizerStep:
             for entry, grad in zip(self.entries, self._step_grads, strict=True):
                 entry.param.grad = None
                 entry.param.data = entry.store.step_view(entry.slot)
-                entry.param.grad = grad if finite else None
+                entry.param.grad = grad if finite and not entry.store.paged else None
+            if finite and any(store.paged for store in self._stores):
+                self._step_paged()
+
+    def _step_paged(self) -> None:
+        """Step the parameters of paged stores here, one store at a time (see [Note: paged optimizer steps]); the
+        call of ``optimizer.step()`` that follows sees them without gradients and leaves them alone."""
+        work: dict[int, tuple[Any, list[tuple[nn.Parameter, int, Tensor]]]] = {}
+        for entry, grad in zip(self.entries, self._step_grads, strict=True):
+            if entry.store.paged and grad is not None:
+                work.setdefault(id(entry.store), (entry.store, []))[1].append((entry.param, entry.slot, grad))
+        others = {id(p): p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None}
+        params = {id(p): p for g in self.optimizer.param_groups for p in g["params"]}
+        for key in others:
+            params[key].grad = None  # hidden from the paged steps, given back for the call itself
+        raw = getattr(type(self.optimizer).step, "__wrapped__", None)
+        try:
+            run_paged(
+                self.optimizer,
+                list(work.values()),
+                (lambda: raw(self.optimizer)) if raw is not None else self._reentrant_step,
+                self.comm,
+                self.device,
+            )
+        finally:
+            for key, grad in others.items():
+                params[key].grad = grad
+
+    def _reentrant_step(self) -> None:
+        """``optimizer.step()`` with the step hooks passing through (an optimizer whose step torch did not wrap)."""
+        self._paging = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._paging = False
 
     def _exit(self) -> None:
-        if self.state is not StepState.STEPPING:
+        if self.state is not StepState.STEPPING or self._paging:
             return
         with torch.no_grad(), engine_access():
             for entry in self.entries:

@@ -23,6 +23,9 @@ from lightning_zero.core.flat_buffer import FlatParamBuffer
 class ShardStore(ABC):
     """The optimizer's side of one buffer's shard."""
 
+    offloaded = False  # the optimizer's copy and state live off the device (core/offload/)
+    paged = False  # the optimizer's copy and state are paged in per buffer during the step (core/offload/disk.py)
+
     def __init__(self, buffer: FlatParamBuffer) -> None:
         self.buffer = buffer
 
@@ -57,9 +60,22 @@ class ShardStore(ABC):
         """Set the owned elements of parameter ``slot`` in every copy held."""
         self.buffer.load_owned(slot, values)
 
+    def flush(self) -> None:
+        """Make values loaded with :meth:`load_owned` durable where the store holds them (a no-op in memory)."""
+        return
+
+    def close(self) -> None:
+        """Give back what the store holds outside the tensors (pinned host memory, a swap file's regions)."""
+        return
+
     @property
     def nbytes(self) -> int:
-        """Bytes the store holds beyond the parameters (counted with the optimizer state, as in the ZeRO paper)."""
+        """Device bytes the store holds beyond the parameters (counted with the optimizer state, as in the paper)."""
+        return 0
+
+    @property
+    def offloaded_nbytes(self) -> int:
+        """Bytes the store holds on the host or on disk."""
         return 0
 
 

@@ -111,7 +111,8 @@ def train_ddp(model: nn.Module, case: Case, rank: int, return_optimizer: bool = 
     return optimizer.state_dict() if return_optimizer else model
 
 
-def train_zero(model: nn.Module, case: Case, rank: int, stage: int, comm: Communicator) -> ZeroEngine:
+def train_zero(model: nn.Module, case: Case, rank: int, stage: int, comm: Communicator, **options: Any) -> ZeroEngine:
+    """Train ``model`` in place under ZeroEngine (``options``: further EngineOptions, e.g. offload)."""
     model.skip_b = case.unused_on_rank1 and rank == 1
     optimizer = make_optimizer(model, case)
     # A tiny bucket cap gives several buckets, so ordering and partial buckets are exercised; at stage 3
@@ -120,7 +121,8 @@ def train_zero(model: nn.Module, case: Case, rank: int, stage: int, comm: Commun
     policy = {nn.Linear, Block} if stage == 3 else None
     if case.checkpoint:
         apply_activation_checkpointing(model, {nn.Linear, Block})
-    engine = ZeroEngine(model, [optimizer], EngineOptions(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy), comm)
+    engine_options = EngineOptions(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy, **options)
+    engine = ZeroEngine(model, [optimizer], engine_options, comm)
     for step in range(STEPS):
         if step % case.zero_grad_every == 0:
             optimizer.zero_grad()

@@ -142,10 +142,10 @@ def test_precision_options_are_checked() -> None:
     assert lightning_zero.ZeroPrecision("bf16-mixed", reduce_dtype=torch.bfloat16).reduce_dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("name", ["zero_2_offload", "zero_3_offload"])
-def test_offload_registry_strings_are_known_and_say_offload_is_not_built(name: str) -> None:
-    with pytest.raises(NotImplementedError, match=r"offload_optimizer.*not built yet"):
-        _trainer(strategy=name)
+@pytest.mark.parametrize(("name", "stage", "params"), [("zero_2_offload", 2, False), ("zero_3_offload", 3, "cpu")])
+def test_offload_registry_strings_select_the_optimizer_on_the_cpu(name: str, stage: int, params: object) -> None:
+    config = _trainer(strategy=name).strategy.config
+    assert (config.stage, config.offload_optimizer, config.offload_params) == (stage, "cpu", params)
 
 
 @pytest.mark.parametrize("form", FORMS)

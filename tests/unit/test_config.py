@@ -53,8 +53,7 @@ def test_invalid_options_raise_value_error(kwargs: dict, match: str) -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"offload_optimizer": "cpu"},
-        {"stage": 3, "offload_params": "cpu"},
+        {"stage": 3, "offload_params": "nvme", "nvme_path": "/tmp"},
         {"partition": "parameter"},
         {"shard_size": 2},
     ],

@@ -1,0 +1,133 @@
+"""Host memory for offloaded model states: exact-size buffers (pinned on CUDA), and the host store.
+
+[Note: offloaded optimizer steps]
+With ``offload_optimizer`` each trainable buffer's fp32 master shard and the optimizer state live off the device,
+and the user's optimizer steps there (ZeRO-Offload). The reduced gradient shard travels to the host in the
+training dtype (2 bytes a parameter in the mixed modes) and is widened there; the updated master is rounded to the
+training dtype on the host and only then copied back into the device shard. :class:`HostStore` keeps the master
+in host memory and lets the optimizer keep its state as usual (its state tensors follow the master onto the
+host); :class:`~lightning_zero.core.offload.disk.DiskStore` keeps both in a file and pages them in, buffer by
+buffer, during the step. On a CPU-only machine "host" and "device" are the same memory: the stores then skip the
+copies, and what differs is only where the bytes are counted (``offloaded``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zero.core.flat_buffer import FlatParamBuffer
+from lightning_zero.core.store import MasterStore
+
+HOST = torch.device("cpu")
+
+
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> Tensor:
+    """An uninitialised host tensor of exactly ``numel`` elements; page-locked when ``pin`` (on CUDA).
+
+    ``torch.empty(..., pin_memory=True)`` goes through the caching host allocator, which rounds a request up to a
+    power of two (a 20 GiB master would take 32 GiB); registering an ordinary allocation pins exactly its bytes.
+    Where pinning fails (no CUDA, a locked-memory limit) the tensor stays pageable, with one warning.
+    """
+    tensor = torch.empty(numel, dtype=dtype, device=HOST)
+    if pin and tensor.numel() > 0:
+        try:
+            code = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+            if int(code) != 0:
+                raise RuntimeError(f"cudaHostRegister returned {code}")
+            _REGISTERED[tensor.data_ptr()] = tensor.untyped_storage()
+        except Exception as error:
+            _warn_once(
+                f"offload: could not pin {tensor.numel() * tensor.element_size()} bytes of host memory "
+                f"({error}); using pageable memory, so host-device copies do not overlap with compute."
+            )
+    return tensor
+
+
+def host_release(tensor: Tensor) -> None:
+    """Unpin a tensor made by :func:`host_empty` (a no-op for pageable ones)."""
+    if _REGISTERED.pop(tensor.data_ptr(), None) is not None:
+        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
+_REGISTERED: dict[int, object] = {}
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def to_host(grad: Tensor, dtype: torch.dtype) -> Tensor:
+    """``grad`` on the host in ``dtype``: moved in its own (training) dtype, widened there."""
+    moved = grad if grad.device == HOST else grad.to(HOST, non_blocking=False)
+    return moved.to(dtype)
+
+
+def to_device(values: Tensor, shard: Tensor) -> None:
+    """Round ``values`` (host, master dtype) to the shard's dtype on the host, then copy them into ``shard``."""
+    shard.copy_(values.to(shard.dtype), non_blocking=False)
+
+
+class HostStore(MasterStore):
+    """``offload_optimizer="cpu"``: the master shard in host memory; the optimizer (and its state) steps there.
+    See [Note: offloaded optimizer steps].
+
+    Args:
+        buffer: the parameters; call while it holds its full values (before ``buffer.cast``).
+        master_dtype: the master's dtype (fp32 in every precision, also in 32-true runs: the device keeps the
+            parameters, the host the copy the optimizer updates).
+    """
+
+    offloaded = True
+
+    def __init__(self, buffer: FlatParamBuffer, master_dtype: torch.dtype) -> None:
+        self.buffer = buffer
+        lo, hi = buffer.bounds
+        self.master = host_empty(hi - lo, master_dtype, pin=buffer.data.device.type == "cuda")
+        self.master.copy_(buffer.data[lo:hi])
+
+    def step_grads(self, slots: Sequence[int], held: Sequence[Tensor], scale: float | None) -> list[Tensor]:
+        flat = torch.empty_like(self.master)
+        grads = []
+        for slot, grad in zip(slots, held, strict=True):
+            step_grad = self.buffer.owned(flat, slot)
+            step_grad.copy_(to_host(grad, grad.dtype))
+            if scale is not None:
+                step_grad.mul_(1.0 / scale)
+            grads.append(step_grad)
+        return grads
+
+    def release(self, held: Sequence[Tensor], step_grads: Sequence[Tensor], clipped: bool, scale: float | None) -> None:
+        if clipped:
+            for grad, step_grad in zip(held, step_grads, strict=True):
+                grad.copy_(step_grad * (scale or 1.0))
+
+    def finish(self) -> None:
+        to_device(self.master, self.buffer.shard)
+
+    def sync_from_params(self) -> None:
+        self.buffer.reattach()
+        shard = self.buffer.shard.to(HOST)
+        changed = shard != self.master.to(shard.dtype)
+        torch.where(changed, shard.to(self.master.dtype), self.master, out=self.master)
+
+    def load_owned(self, slot: int, values: Tensor) -> None:
+        self.buffer.owned(self.master, slot).copy_(values)
+        self.buffer.load_owned(slot, values)
+
+    def close(self) -> None:
+        host_release(self.master)
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    @property
+    def offloaded_nbytes(self) -> int:
+        return self.master.numel() * self.master.element_size()
