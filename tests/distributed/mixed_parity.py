@@ -101,13 +101,20 @@ def _reduce_into(held: dict[int, Tensor], params: list[nn.Parameter], dtype: tor
 
 
 def train_zero(
-    initial: nn.Module, case: Case, stage: int, comm: Communicator, dtype: torch.dtype, scale: float | None
+    initial: nn.Module,
+    case: Case,
+    stage: int,
+    comm: Communicator,
+    dtype: torch.dtype,
+    scale: float | None,
+    **options: object,
 ) -> dict[str, Tensor]:
-    """Train under ZeroEngine with 16-bit parameters and fp32 masters; returns the full state (masters)."""
+    """Train under ZeroEngine with 16-bit parameters and fp32 masters (``options``: further EngineOptions, e.g.
+    offload); returns the full state (masters)."""
     model = copy.deepcopy(initial)
     optimizer = make_optimizer(model, case)
     policy = {nn.Linear, Block} if stage == 3 else None
-    config = EngineOptions(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy)
+    config = EngineOptions(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy, **options)  # type: ignore[arg-type]
     precision = PrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, master_dtype=torch.float32)
     engine = ZeroEngine(model, [optimizer], config, comm, precision=precision)
     for step in range(STEPS):
