@@ -19,7 +19,8 @@ casts them for compute), ``"bf16-true"`` holds them in bf16 like the rest of the
 
 Stage 0 is plain DDP (nothing divided), for comparison. Mixed-precision Adam is the paper's
 2 + 2 + 12 bytes per parameter. Offloading moves optimizer_states (and at stage 3 the parameter
-shard) from the device into ``offloaded``. Not counted: padding of flat buffers (fewer than N
+shard) from the device into ``offloaded``; the offloaded optimizer always steps an fp32 master copy, so in
+``"32-true"`` it is K + 4 bytes (Adam: 12), not K. Not counted: padding of flat buffers (fewer than N
 elements each), scalar optimizer state (a 4-byte ``step`` per tensor per rank), buffers,
 activations, temporary communication buffers and the allocator's fragmentation.
 """
@@ -35,6 +36,7 @@ from lightning_zero.config import OFFLOAD_TARGETS, Offload
 from lightning_zero.core.memory import MemoryReport
 
 STAGES = (0, 1, 2, 3)
+OFFLOADED_MASTER_BYTES = 4  # the fp32 master the offloaded optimizer steps, in every precision
 
 
 class _Widths(NamedTuple):
@@ -122,7 +124,9 @@ def estimate_memory(
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     widths = PRECISIONS[precision]
-    state_width = OPTIMIZER_STATE_BYTES[optimizer] + widths.master
+    # Offload keeps an fp32 master on the host in every precision, 32-true too (the device keeps the parameters).
+    master = OFFLOADED_MASTER_BYTES if offload_optimizer else widths.master
+    state_width = OPTIMIZER_STATE_BYTES[optimizer] + master
     params = _per_rank(widths.param * trainable + widths.frozen * frozen, world_size if stage >= 3 else 1)
     gradients = _per_rank(widths.grad * trainable, world_size if stage >= 2 else 1)
     optimizer_states = _per_rank(state_width * trainable, world_size if stage >= 1 else 1)

@@ -116,6 +116,17 @@ def test_offload_optimizer_moves_the_optimizer_states(model: nn.Module, target: 
 
 
 @pytest.mark.parametrize("target", ["cpu", "nvme"])
+def test_offloaded_32_true_counts_the_host_fp32_copy(model: nn.Module, target: str) -> None:
+    """In 32-true the device keeps the fp32 parameters and the host the fp32 master the optimizer steps: Adam's
+    offloaded state is 12 bytes a parameter, not the 8 of its moments."""
+    on_device = estimate_memory(model, stage=2, world_size=4, precision="32-true")
+    offloaded = estimate_memory(model, stage=2, world_size=4, precision="32-true", offload_optimizer=target)
+    assert on_device.optimizer_states == 8 * TRAINABLE // 4
+    assert offloaded.offloaded == 12 * TRAINABLE // 4
+    assert offloaded.optimizer_states == 0
+
+
+@pytest.mark.parametrize("target", ["cpu", "nvme"])
 def test_offload_params_moves_the_parameter_shard_at_stage_3(model: nn.Module, target: str) -> None:
     on_device = estimate_memory(model, stage=3, world_size=4)
     params_off = estimate_memory(model, stage=3, world_size=4, offload_params=target)
