@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.flat_buffer import FlatParamBuffer
-from lightning_zero.core.offload.host import HOST, to_device, to_host
+from lightning_zero.core.offload.host import HOST, host_release_grads, host_step_grads, to_device
 from lightning_zero.core.store import ShardStore
 
 PAGE = 4096  # O_DIRECT wants page-aligned buffers, offsets and lengths
@@ -251,8 +251,9 @@ class DiskStore(ShardStore):
         to_device(paged.views["master"], self.buffer.shard)
         self._sync_pending = False
         self._take_state(paged, optimizer, [(param, slot) for param, slot, _ in entries])
-        for param, _, _ in entries:
+        for param, slot, _ in entries:
             param.grad = None
+            param.data = self.step_view(slot)  # the page is freed once written back, not at the end of the step
 
     def page_out(self, paged: Paged) -> None:
         """Write the paged-in regions back (in a worker thread)."""
@@ -346,20 +347,10 @@ class DiskStore(ShardStore):
         return master
 
     def step_grads(self, slots: Sequence[int], held: Sequence[Tensor], scale: float | None) -> list[Tensor]:
-        flat = torch.empty(self.numel, dtype=self.master_dtype, device=HOST)
-        grads = []
-        for slot, grad in zip(slots, held, strict=True):
-            step_grad = self.buffer.owned(flat, slot)
-            step_grad.copy_(to_host(grad, grad.dtype))
-            if scale is not None:
-                step_grad.mul_(1.0 / scale)
-            grads.append(step_grad)
-        return grads
+        return host_step_grads(self.buffer, self.master_dtype, slots, held, scale)
 
     def release(self, held: Sequence[Tensor], step_grads: Sequence[Tensor], clipped: bool, scale: float | None) -> None:
-        if clipped:
-            for grad, step_grad in zip(held, step_grads, strict=True):
-                grad.copy_(step_grad * (scale or 1.0))
+        host_release_grads(held, step_grads, clipped, scale)
 
     def finish(self) -> None:
         """Nothing to do: :meth:`unbind` rounded each paged-in master into the shard."""

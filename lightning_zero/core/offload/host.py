@@ -74,6 +74,42 @@ def to_device(values: Tensor, shard: Tensor) -> None:
     shard.copy_(values.to(shard.dtype), non_blocking=False)
 
 
+def host_step_grads(
+    buffer: FlatParamBuffer, dtype: torch.dtype, slots: Sequence[int], held: Sequence[Tensor], scale: float | None
+) -> list[Tensor]:
+    """The step gradients of an offloaded store, on the host in the master's ``dtype``, divided by ``scale``.
+    Held gradients already there in that dtype (fp32 runs on a CPU) are used in place, as the in-place store does;
+    others are copied: moved in their own dtype, widened on the host."""
+    if all(grad.device == HOST and grad.dtype == dtype for grad in held):
+        if scale is not None:
+            for grad in held:
+                grad.mul_(1.0 / scale)
+        return list(held)
+    lo, hi = buffer.bounds
+    flat = torch.empty(hi - lo, dtype=dtype, device=HOST)
+    grads = []
+    for slot, grad in zip(slots, held, strict=True):
+        step_grad = buffer.owned(flat, slot)
+        step_grad.copy_(to_host(grad, grad.dtype))
+        if scale is not None:
+            step_grad.mul_(1.0 / scale)
+        grads.append(step_grad)
+    return grads
+
+
+def host_release_grads(
+    held: Sequence[Tensor], step_grads: Sequence[Tensor], clipped: bool, scale: float | None
+) -> None:
+    """End the step gradients of :func:`host_step_grads`: held ones used in place get their scale back; a clipped
+    copy goes back into the held gradient (torch keeps a clipped gradient)."""
+    for grad, step_grad in zip(held, step_grads, strict=True):
+        if step_grad.data_ptr() == grad.data_ptr() and step_grad.numel() == grad.numel():
+            if scale is not None:
+                grad.mul_(scale)
+        elif clipped:
+            grad.copy_(step_grad * (scale or 1.0))
+
+
 class HostStore(MasterStore):
     """``offload_optimizer="cpu"``: the master shard in host memory; the optimizer (and its state) steps there.
     See [Note: offloaded optimizer steps].
@@ -93,20 +129,10 @@ class HostStore(MasterStore):
         self.master.copy_(buffer.data[lo:hi])
 
     def step_grads(self, slots: Sequence[int], held: Sequence[Tensor], scale: float | None) -> list[Tensor]:
-        flat = torch.empty_like(self.master)
-        grads = []
-        for slot, grad in zip(slots, held, strict=True):
-            step_grad = self.buffer.owned(flat, slot)
-            step_grad.copy_(to_host(grad, grad.dtype))
-            if scale is not None:
-                step_grad.mul_(1.0 / scale)
-            grads.append(step_grad)
-        return grads
+        return host_step_grads(self.buffer, self.master.dtype, slots, held, scale)
 
     def release(self, held: Sequence[Tensor], step_grads: Sequence[Tensor], clipped: bool, scale: float | None) -> None:
-        if clipped:
-            for grad, step_grad in zip(held, step_grads, strict=True):
-                grad.copy_(step_grad * (scale or 1.0))
+        host_release_grads(held, step_grads, clipped, scale)
 
     def finish(self) -> None:
         to_device(self.master, self.buffer.shard)
