@@ -85,6 +85,7 @@ import resource
 import socket
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Iterator
@@ -124,6 +125,13 @@ SYSTEMS = (
     "base3",
     *(f"{base}{BF16}" for base in ("ddp", "zero1", "zero2", "zero3", "fsdp2", "base1", "base2", "base3")),
 )
+# Offload systems: the engine with the optimizer on the CPU ("_cpu"), paged from a swap file in --nvme-path
+# ("_nvme"), and at stage 3 with the parameter shards on the host too ("_cpuparams"); "_bf16" after that.
+OFFLOADS = {"_cpu": ("cpu", False), "_nvme": ("nvme", False), "_cpuparams": ("cpu", "cpu")}
+_OFFLOADED = tuple(
+    f"zero{stage}{suffix}" for suffix in OFFLOADS for stage in (1, 2, 3) if stage == 3 or suffix != "_cpuparams"
+)
+SYSTEMS = (*SYSTEMS, *_OFFLOADED, *(f"{name}{BF16}" for name in _OFFLOADED))
 # base1-base3: an earlier commit's core, imported under the package name in this variable (see ab_core.py).
 BASELINE_ENV = "BENCH_BASELINE_PACKAGE"
 RSS_VARIANTS = {"as-is": {}, "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
@@ -141,6 +149,15 @@ def is_bf16(name: str) -> bool:
 def base_system(name: str) -> str:
     """``zero2_bf16`` -> ``zero2``: how the system shards, whatever its precision."""
     return name.removesuffix(BF16)
+
+
+def offload_of(name: str) -> tuple[str | bool, str | bool]:
+    """``zero2_nvme_bf16`` -> ``("nvme", False)``: the system's (offload_optimizer, offload_params)."""
+    base = base_system(name)
+    for suffix, offload in OFFLOADS.items():
+        if base.endswith(suffix):
+            return offload
+    return False, False
 
 
 def same_precision_ddp(name: str) -> str:
@@ -199,7 +216,31 @@ def make_adamw(model: nn.Module, lr: float) -> torch.optim.AdamW:
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+    fused = True if os.environ.get(FUSED_ENV) == "1" else None  # --adamw-fused (offload picks it itself otherwise)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=fused)
+
+
+FUSED_ENV = "BENCH_ADAMW_FUSED"
+
+
+def disk_bandwidth(path: str, nbytes: int = 256 * 2**20, chunk: int = 8 * 2**20) -> dict[str, float]:
+    """Write then read ``nbytes`` through the offload's own swap file (O_DIRECT where the file system takes it)
+    in ``chunk``-sized transfers: the bandwidth an *_nvme system can expect, in bytes/s."""
+    from lightning_zero.core.offload.disk import SwapFile, aligned_empty
+
+    swap = SwapFile(path, rank=0)
+    regions = [swap.allocate(chunk) for _ in range(nbytes // chunk)]
+    page = aligned_empty(chunk)
+    start = time.perf_counter()
+    for region in regions:
+        swap.write(region, page)
+    written = time.perf_counter() - start
+    start = time.perf_counter()
+    for region in regions:
+        swap.read(region)
+    read = time.perf_counter() - start
+    swap.close()
+    return {"write_bytes_per_s": nbytes / written, "read_bytes_per_s": nbytes / read, "direct_io": swap.direct}
 
 
 def tensor_bytes(tensors: Any) -> int:
@@ -354,7 +395,14 @@ class ZeroSystem(System):
         self._setup(name, args)
         self.model = make_model(cfg, args.seed).to(self.device)
         self.optimizer = make_adamw(self.model, args.lr)
-        config = EngineOptions(stage=int(base_system(name)[-1]), bucket_cap_mb=args.bucket_cap_mb)
+        target, params = offload_of(name)
+        config = EngineOptions(
+            stage=int(base_system(name)[4]),
+            bucket_cap_mb=args.bucket_cap_mb,
+            offload_optimizer=target,
+            offload_params=params,
+            nvme_path=getattr(args, "nvme_path", None),
+        )
         self.policy = PrecisionPolicy(torch.bfloat16, torch.float32, torch.float32) if self.bf16 else None
         self.engine = ZeroEngine(
             self.model, [self.optimizer], config, Communicator(group), device=self.device, precision=self.policy
@@ -517,6 +565,12 @@ def build_system(name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any
 def formula_bytes(name: str, numel: int, world_size: int) -> float:
     """Model-state bytes per rank for AdamW in the ZeRO paper's accounting (fp32; bf16-mixed: section 3.1)."""
     psi, n = numel, world_size
+    target, params = offload_of(name)
+    if target:  # what stays on the device: parameters and gradients (the master and AdamW states are offloaded)
+        width = 2 if is_bf16(name) else 4
+        stage = int(base_system(name)[4])
+        on_device = 0 if params else (width * psi / n if stage == 3 else width * psi)
+        return on_device + (width * psi / n if stage >= 2 else width * psi)
     base = base_system(name).replace("base", "zero")  # a baseline core shards as the stage it is
     if base.startswith("ddp"):  # ddp_bf16 too: fp32 parameters, gradients and AdamW states
         return 16 * psi
@@ -1129,10 +1183,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rounds in which other processes used more than this share of the CPUs are left out of the statistics",
     )
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--nvme-path", default=tempfile.gettempdir(), help="swap directory of the *_nvme systems")
+    parser.add_argument(
+        "--adamw-fused", action="store_true", help="every system's AdamW with fused=True (offload picks it anyway)"
+    )
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--data", default=str(DEFAULT_DATA))
     parser.add_argument("--out", help="also write the results as JSON to this file")
     args = parser.parse_args(argv)
+    if args.adamw_fused:
+        os.environ[FUSED_ENV] = "1"  # read by make_adamw in every spawned rank
     args.max_rounds = args.max_rounds or 2 * args.steps
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.rss_variants = [v.strip() for v in args.rss_variants.split(",") if v.strip()]
@@ -1171,6 +1231,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(f"# rss run {variant}/{name}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
     summary = summarize(args, timing, rss)
+    if any(offload_of(name)[0] == "nvme" for name in args.systems):
+        summary["_disk"] = disk_bandwidth(args.nvme_path)
+        print(f"# disk behind --nvme-path: {summary['_disk']}", file=sys.stderr, flush=True)
     combined = [r["combined_peak_rss"] for r in timing]
     print(markdown(args, summary, combined, load))
     print(f"# total: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
