@@ -53,15 +53,7 @@ class ZeroConfig:
         _check_choice("stage", self.stage, STAGES, "ZeroStrategy(stage=2)")
         _check_choice("offload_optimizer", self.offload_optimizer, OFFLOAD_TARGETS, "offload_optimizer='cpu'")
         _check_choice("offload_params", self.offload_params, OFFLOAD_TARGETS, "offload_params='cpu'")
-        if self.offload_params and self.stage != 3:
-            raise ValueError(
-                f"offload_params={self.offload_params!r} needs stage=3, got stage={self.stage}. "
-                "Use ZeroStrategy(stage=3) or offload_params=False."
-            )
-        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
-            raise ValueError(
-                "offload to 'nvme' needs nvme_path, got nvme_path=None. Pass nvme_path='/path/to/fast/disk'."
-            )
+        self._check_offload()
         _check_choice("partition", self.partition, PARTITIONS, "partition='flat'")
         _check_choice("state_dict_type", self.state_dict_type, STATE_DICT_TYPES, "state_dict_type='full'")
         if self.process_group_backend is not None:
@@ -81,6 +73,22 @@ class ZeroConfig:
         for name in ("wrap_policy", "activation_checkpointing"):
             object.__setattr__(self, name, _resolve_policy(name, getattr(self, name)))
         self._check_built()
+
+    def _check_offload(self) -> None:
+        if self.offload_params and self.stage != 3:
+            raise ValueError(
+                f"offload_params={self.offload_params!r} needs stage=3, got stage={self.stage}. "
+                "Use ZeroStrategy(stage=3) or offload_params=False."
+            )
+        if self.offload_params and not self.offload_optimizer:
+            raise ValueError(
+                f"offload_params={self.offload_params!r} needs offload_optimizer='cpu' or 'nvme': the optimizer steps "
+                "the shards where they rest. Pass offload_optimizer='cpu' too (as \"zero_3_offload\" does)."
+            )
+        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
+            raise ValueError(
+                "offload to 'nvme' needs nvme_path, got nvme_path=None. Pass nvme_path='/path/to/fast/disk'."
+            )
 
     def _check_built(self) -> None:
         requested = {

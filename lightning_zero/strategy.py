@@ -61,9 +61,11 @@ class ZeroStrategy(ParallelStrategy):
 
     Args:
         stage: 1 shards optimizer state; 2 also gradients; 3 also parameters.
-        offload_optimizer: ``False``, ``"cpu"`` or ``"nvme"``: where optimizer state and the fp32 master live.
-        offload_params: ``False``, ``"cpu"`` or ``"nvme"``: stage-3 parameters at rest.
-        nvme_path: directory for ``"nvme"`` offload.
+        offload_optimizer: ``False``, ``"cpu"`` or ``"nvme"``: where the fp32 master and the optimizer state live
+            and the user's optimizer steps (host memory, or a swap file under ``nvme_path``); see docs/offload.md.
+        offload_params: ``False`` or ``"cpu"``: stage-3 parameter shards rest in host memory between gathers
+            (``"nvme"`` is in the contract, not built yet: ``NotImplementedError``).
+        nvme_path: directory of each rank's (unnamed) swap file for ``offload_optimizer="nvme"``.
         partition: ``"flat"`` (element-wise shards) or ``"parameter"`` (whole tensors per rank).
         bucket_cap_mb: size of the gradient reduce and parameter gather buckets.
         overlap_comm: reduce gradient buckets while backward still runs.

@@ -51,6 +51,10 @@ class EngineOptions:
             raise ValueError(f"offload_optimizer={self.offload_optimizer!r}: choose False, 'cpu' or 'nvme'.")
         if self.offload_params not in (False, "cpu"):
             raise ValueError(f"offload_params={self.offload_params!r}: choose False or 'cpu'.")
+        if self.offload_params and not self.offload_optimizer:
+            raise ValueError(
+                "offload_params='cpu' needs offload_optimizer='cpu' or 'nvme' (the optimizer steps there)."
+            )
         if self.offload_params and self.stage != 3:
             raise ValueError(f"offload_params={self.offload_params!r} needs stage=3, got stage={self.stage}.")
         if self.offload_optimizer == "nvme" and not self.nvme_path:

@@ -24,7 +24,7 @@ import torch
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.offload.disk import DiskStore
 from tests.distributed import mixed_parity
-from tests.distributed.models import TinyLM
+from tests.distributed.models import TinyLM, batch, loss_fn
 from tests.distributed.parity import CASES, STAGES, relative_difference, train_ddp, train_zero
 from tests.helpers import run_on_ranks
 
@@ -228,3 +228,43 @@ def mixed_parity_exact() -> float:
     from tests.distributed.test_mixed_precision import EXACT
 
     return EXACT
+
+
+def _step_with_a_failing_read(rank: int, world_size: int, directory: str) -> str:
+    """Rank 1's disk fails (EIO) in the second step's read-ahead; every rank must raise, none may hang."""
+    import errno
+    import os
+
+    from lightning_zero.core.engine import ZeroEngine
+    from lightning_zero.core.options import EngineOptions
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = EngineOptions(stage=2, bucket_cap_mb=0.0005, offload_optimizer="nvme", nvme_path=directory)
+    engine = ZeroEngine(model, [optimizer], options, Communicator())
+    real = os.preadv
+    for step in range(2):
+        if step == 1 and rank == 1:
+
+            def failing(fd: int, buffers: Any, offset: int) -> int:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+            os.preadv = failing  # type: ignore[assignment]
+        engine.begin_iteration()
+        optimizer.zero_grad()
+        try:
+            loss_fn(model, *batch(10 * step + rank)).backward()
+            optimizer.step()
+        except RuntimeError as error:
+            os.preadv = real
+            return str(error)
+    return "no error"
+
+
+def test_an_io_error_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    messages = run_on_ranks(_step_with_a_failing_read, 2, str(tmp_path))
+    assert "another rank failed to read or write its swap file" in messages[0], messages
+    assert "reading the unlinked swap file of rank 1 in" in messages[1], messages
+    assert "at offset" in messages[1]
+    assert "[errno 5 EIO]" in messages[1]

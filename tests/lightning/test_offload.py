@@ -262,7 +262,7 @@ def test_offload_params_nvme_says_it_is_not_built() -> None:
     from lightning_zero import ZeroStrategy
 
     with pytest.raises(NotImplementedError, match=r"offload_params='nvme'.*Use offload_params='cpu'"):
-        ZeroStrategy(stage=3, offload_params="nvme", nvme_path="/tmp")
+        ZeroStrategy(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme_path="/tmp")
 
 
 def test_fused_kernel_is_chosen_once_and_logged(caplog: pytest.LogCaptureFixture) -> None:

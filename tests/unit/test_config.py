@@ -30,6 +30,7 @@ def test_defaults_follow_the_contract() -> None:
         ({"offload_optimizer": "gpu"}, r"offload_optimizer='gpu' is not supported"),
         ({"offload_params": "cpu", "stage": 2}, r"offload_params='cpu' needs stage=3, got stage=2"),
         ({"offload_optimizer": "nvme"}, r"needs nvme_path"),
+        ({"offload_params": "cpu", "stage": 3}, r"offload_params='cpu' needs offload_optimizer='cpu' or 'nvme'"),
         ({"partition": "rows"}, r"partition='rows' is not supported; choose one of \['flat', 'parameter'\]"),
         ({"state_dict_type": "local"}, r"state_dict_type='local' is not supported"),
         ({"bucket_cap_mb": 0}, r"bucket_cap_mb must be > 0, got 0"),
@@ -53,7 +54,7 @@ def test_invalid_options_raise_value_error(kwargs: dict, match: str) -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"stage": 3, "offload_params": "nvme", "nvme_path": "/tmp"},
+        {"stage": 3, "offload_optimizer": "cpu", "offload_params": "nvme", "nvme_path": "/tmp"},
         {"partition": "parameter"},
         {"shard_size": 2},
     ],
