@@ -12,7 +12,8 @@ from lightning_zero.strategy import ZeroStrategy
 
 
 class ZeroMonitor(Callback):
-    """Log ``zero/params_bytes``, ``zero/gradients_bytes``, ``zero/optimizer_states_bytes`` and ``zero/comm_bytes``.
+    """Log ``zero/params_bytes``, ``zero/gradients_bytes``, ``zero/optimizer_states_bytes``,
+    ``zero/offloaded_bytes`` and ``zero/comm_bytes``.
 
     The byte counts are this rank's model states measured from the tensors it holds after the step, and the
     bytes it moved in collectives during that step. Logged by rank 0, every ``log_every_n_steps``.
@@ -39,6 +40,7 @@ class ZeroMonitor(Callback):
             "zero/params_bytes": float(report.params),
             "zero/gradients_bytes": float(report.gradients),
             "zero/optimizer_states_bytes": float(report.optimizer_states),
+            "zero/offloaded_bytes": float(report.offloaded),
             "zero/comm_bytes": float(strategy.comm_report().nbytes),
         }
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)

@@ -93,3 +93,52 @@ def test_nvme_offload_trains_within_the_budget_and_equals_cpu_offload(results: t
     nvme = torch.load(directory / "nvme.pt")
     cpu = torch.load(directory / "cpu.pt")
     assert all(torch.equal(nvme[key], cpu[key]) for key in cpu)
+
+
+REBUILT_THREE_TIMES = textwrap.dedent(
+    """
+    import gc, json, os, sys, tempfile, threading
+    import torch, torch.distributed as dist
+    from lightning_zero.core.comm import Communicator
+    from lightning_zero.core.engine import ZeroEngine
+    from lightning_zero.core.options import EngineOptions
+
+    def rss():
+        return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+
+    offload, nvme_path = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    after = []
+    for build in range(3):
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        options = EngineOptions(stage=2, bucket_cap_mb=1, offload_optimizer=offload, nvme_path=nvme_path)
+        engine = ZeroEngine(model, [optimizer], options, Communicator())
+        for step in range(2):
+            optimizer.zero_grad()
+            model(torch.randn(4, 1024)).square().mean().backward()
+            optimizer.step()
+        engine.release()
+        del engine, model, optimizer
+        gc.collect()
+        after.append({"rss": rss(), "fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count()})
+    print(json.dumps(after))
+    """
+)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_three_engines_in_one_process_leave_memory_files_and_threads_where_one_left_them(
+    tmp_path: Path, offload: str
+) -> None:
+    """Each engine holds 4.2M parameters: a master and AdamW state kept alive would add 48 MiB per build."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    args = [sys.executable, "-c", REBUILT_THREE_TIMES, offload, str(tmp_path)]
+    run = subprocess.run(args, cwd=repo, capture_output=True, text=True, check=False, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    first, _, third = json.loads(run.stdout.strip().splitlines()[-1])
+    assert third["rss"] - first["rss"] < 8 * 2**20, (first, third)
+    assert third["fds"] == first["fds"]
+    assert third["threads"] == first["threads"]
+    assert list(tmp_path.iterdir()) == []

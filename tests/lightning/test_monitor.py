@@ -26,18 +26,25 @@ STEPS = 3
 PSI = 179
 N_TENSORS = 4
 PADDED = math.ceil(PSI / WORLD_SIZE) * WORLD_SIZE
-METRICS = ("zero/params_bytes", "zero/gradients_bytes", "zero/optimizer_states_bytes", "zero/comm_bytes")
+METRICS = (
+    "zero/params_bytes",
+    "zero/gradients_bytes",
+    "zero/optimizer_states_bytes",
+    "zero/offloaded_bytes",
+    "zero/comm_bytes",
+)
+RUNS = {1: {"stage": 1}, 2: {"stage": 2}, "2cpu": {"stage": 2, "offload_optimizer": "cpu"}}
 
 
 def _monitor_runs(rank: int, world_size: int, log_dir: str) -> dict[str, Any]:
     from lightning_zero import ZeroMonitor, ZeroStrategy
 
     out: dict[str, Any] = {}
-    for stage in (1, 2):
+    for stage, kwargs in RUNS.items():
         model = TwoLayer(hidden=16)
         trainer = make_trainer(
             world_size,
-            ZeroStrategy(stage=stage),
+            ZeroStrategy(**kwargs),
             max_steps=STEPS,
             logger=CSVLogger(log_dir, name=f"stage{stage}", version=0),
             log_every_n_steps=1,
@@ -73,7 +80,7 @@ def _csv_rows(log_dir: Path, stage: int) -> list[dict[str, str]]:
         return [row for row in csv.DictReader(handle) if row.get(METRICS[0])]
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", list(RUNS))
 def test_monitor_logs_the_strategy_report_every_step(runs: tuple[Path, list[dict[str, Any]]], stage: int) -> None:
     log_dir, per_rank = runs
     rows = _csv_rows(log_dir, stage)
@@ -83,8 +90,12 @@ def test_monitor_logs_the_strategy_report_every_step(runs: tuple[Path, list[dict
         "zero/params_bytes": rank0["report"]["params"],
         "zero/gradients_bytes": rank0["report"]["gradients"],
         "zero/optimizer_states_bytes": rank0["report"]["optimizer_states"],
+        "zero/offloaded_bytes": rank0["report"]["offloaded"],
         "zero/comm_bytes": rank0["comm"],
     }
+    # Offload moves the master and the state (fp32 AdamW: 12 bytes an owned element) off the device.
+    assert (expected["zero/offloaded_bytes"] > 0) == (stage == "2cpu")
+    assert (expected["zero/optimizer_states_bytes"] == 0) == (stage == "2cpu")
     assert {name: float(rows[-1][name]) for name in METRICS} == expected
     assert {name: rank0["logged"][name] for name in METRICS} == expected
     # Model states do not change size between steps; communication is the same every step.
