@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,8 @@ from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.text import Perplexity
+
+IGNORE = -100  # label of padded positions
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
 
@@ -208,13 +211,17 @@ class GPTLightningModule(LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 10,
+        variable_length: bool = False,
     ) -> None:
+        """``variable_length``: each training sequence keeps a random number of real tokens (the rest padded,
+        labelled -100), and the loss is the global mean over tokens: needs ``ZeroStrategy(weighted_loss=True)``
+        (examples/configs/variable_length.yaml)."""
         super().__init__()
         self.save_hyperparameters()
         self.config = GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
         self.model: GPT | None = None
-        self.train_ppl = Perplexity()
-        self.val_ppl = Perplexity()
+        self.train_ppl = Perplexity(ignore_index=IGNORE)
+        self.val_ppl = Perplexity(ignore_index=IGNORE)
 
     def configure_model(self) -> None:
         """Build the GPT once, inside the strategy's init context (Lightning may call this more than once)."""
@@ -231,11 +238,32 @@ class GPTLightningModule(LightningModule):
         ppl(logits.detach().float(), y)  # accumulates, and caches this batch's value for step-level logging
         return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | dict[str, Tensor]:
+        if self.hparams.get("variable_length"):
+            return self._variable_length_step(batch)
         loss = self._shared_step(batch, self.train_ppl)
         self.log("train_loss", loss, prog_bar=True)
         self.log("train_ppl", self.train_ppl)
         return loss
+
+    def _variable_length_step(self, batch: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
+        """Padded sequences of random real lengths: the summed loss and its token count, for the strategy to divide
+        by the count over every rank and micro-batch (docs/weighted_loss.md)."""
+        x, y = batch
+        generator = torch.Generator().manual_seed(int(x[:, 0].sum()))  # a length per sequence, from its data
+        lengths = torch.randint(1, y.size(1) + 1, (y.size(0),), generator=generator).to(y.device)
+        y = y.masked_fill(torch.arange(y.size(1), device=y.device) >= lengths[:, None], IGNORE)
+        logits = self(x)
+        self.train_ppl(logits.detach().float(), y)
+        loss_sum = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE, reduction="sum")
+        tokens = (y != IGNORE).sum()
+        self.log("train_ppl", self.train_ppl)
+        return {"loss": loss_sum, "loss_weight": tokens}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        mean = getattr(self.trainer.strategy, "global_mean_loss", None)
+        if self.hparams.get("variable_length") and mean is not None:
+            self.log("train_loss", mean, prog_bar=True)  # the last step's mean over every rank's tokens
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         loss = self._shared_step(batch, self.val_ppl)

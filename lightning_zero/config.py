@@ -48,6 +48,7 @@ class ZeroConfig:
     state_dict_type: str = "sharded"
     process_group_backend: str | None = None
     timeout: timedelta = field(default_factory=lambda: timedelta(minutes=30))
+    weighted_loss: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("stage", self.stage, STAGES, "ZeroStrategy(stage=2)")
@@ -62,8 +63,9 @@ class ZeroConfig:
             raise ValueError(f"bucket_cap_mb must be a number of megabytes, got {self.bucket_cap_mb!r}.")
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}. The default is 25.")
-        if not isinstance(self.overlap_comm, bool):
-            raise ValueError(f"overlap_comm must be True or False, got {self.overlap_comm!r}.")
+        for name in ("overlap_comm", "weighted_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.shard_size is not None and (
             isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int) or self.shard_size < 1
         ):

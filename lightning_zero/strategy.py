@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero import loss_weighting
 from lightning_zero.checkpoint import (
     ShardedCheckpoint,
     load_sharded_optimizers,
@@ -76,6 +77,9 @@ class ZeroStrategy(ParallelStrategy):
         process_group_backend: ``"nccl"`` or ``"gloo"``; default by device.
         timeout: collective timeout.
         start_method: ``"popen"``, ``"spawn"`` or ``"fork"``, as in Lightning's ``DDPStrategy``.
+        weighted_loss: train on the gradient of the global mean over tokens: ``training_step`` returns
+            ``{"loss": loss_sum, "loss_weight": n_tokens}`` (or calls ``self.manual_backward(loss_sum,
+            loss_weight=n_tokens)``); see docs/weighted_loss.md.
 
     Raises:
         ValueError: for an invalid option, naming the option, the value and the fix.
@@ -97,6 +101,7 @@ class ZeroStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork"] = "popen",
+        weighted_loss: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -117,6 +122,7 @@ class ZeroStrategy(ParallelStrategy):
             state_dict_type=state_dict_type,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            weighted_loss=weighted_loss,
         )
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not supported; choose one of {list(START_METHODS)}.")
@@ -268,6 +274,11 @@ class ZeroStrategy(ParallelStrategy):
             agree_also=[(k, v) for k, v in sorted(self.config.describe().items()) if k not in engine_keys],
         )
         self.precision_plugin.attach(self._engine)
+        if fitting and self.config.weighted_loss:
+            module = self.lightning_module
+            # Lightning divides each automatic-optimization loss by accumulate_grad_batches: undone exactly.
+            factor = 1.0 / module.trainer.accumulate_grad_batches if module.automatic_optimization else 1.0
+            self._engine.weight_losses(True, loss_factor=factor)
         if fitting:
             # Lightning's optimizer wrappers copy their optimizer's class: make them again now that the engine has
             # given each optimizer a zero_grad that empties the gradient shards (see core/step.py).
@@ -307,8 +318,37 @@ class ZeroStrategy(ParallelStrategy):
             self._engine.unshard_root()
             if not self.lightning_module.automatic_optimization:
                 with self._engine.hold_root():
-                    return super().training_step(*args, **kwargs)
+                    output = super().training_step(*args, **kwargs)
+            else:
+                output = super().training_step(*args, **kwargs)
+            module = self.lightning_module
+            step = module.trainer.global_step
+            loss_weighting.take_training_step_output(
+                self._engine, self.config.weighted_loss, output, module.automatic_optimization, step
+            )
+            return output
         return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        # manual_backward(loss_sum, loss_weight=n) reaches here; torch's backward must not see the weight.
+        weight = kwargs.pop(loss_weighting.WEIGHT_KEY, None)
+        module = self.lightning_module
+        if self._engine is not None and module is not None and not module.automatic_optimization:
+            step = module.trainer.global_step
+            loss_weighting.take_manual_backward(self._engine, self.config.weighted_loss, closure_loss, weight, step)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @property
+    def global_loss_weight(self) -> float | None:
+        """``weighted_loss=True``: the global weight (tokens of every rank and micro-batch) of the last step."""
+        return self._engine.loss_weights.global_weight if self._engine is not None else None
+
+    @property
+    def global_mean_loss(self) -> float | None:
+        """``weighted_loss=True``: the last step's loss summed over every rank and micro-batch, over its global
+        weight: the mean per token, what to log (e.g. ``self.log("train_loss", strategy.global_mean_loss)``)."""
+        return self._engine.loss_weights.global_mean_loss if self._engine is not None else None
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

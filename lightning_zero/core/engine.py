@@ -44,6 +44,7 @@ from lightning_zero.core.changes import ChangeWatch
 from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.flat_buffer import FlatParamBuffer
 from lightning_zero.core.groups import Topology
+from lightning_zero.core.loss_weight import LossWeights
 from lightning_zero.core.memory import MemoryReport, tensor_nbytes
 from lightning_zero.core.mixed_precision import DynamicLossScaler, PrecisionPolicy
 from lightning_zero.core.named_state import NamedState
@@ -101,7 +102,8 @@ class ZeroEngine:
         self.comm = comm
         self.topology = Topology.build(comm, options.stage)
         self.policy = precision or PrecisionPolicy()
-        self.scaling = LossScaling(loss_scaler)
+        self.loss_weights = LossWeights(comm, device or next(module.parameters(), torch.empty(0)).device)
+        self.scaling = LossScaling(loss_scaler, self.loss_weights)
         self.device = device or next(module.parameters(), torch.empty(0)).device
         self.names = {param: name for name, param in module.named_parameters()}
         self.optimizers = list(optimizers)
@@ -135,7 +137,7 @@ class ZeroEngine:
             self._add_buffers(self.packer.replicated(self._optimized_trainable()))
         self.scheduler = Stage3Scheduler(self.units, self.topology.gather, options.overlap_comm) if self.units else None
         self.steps = [
-            OptimizerStep(optimizer, [], comm, self.device, self.scaling, self._take_step_comm)
+            OptimizerStep(optimizer, [], comm, self.device, self.scaling, self._take_step_comm, self.loss_weights.agree)
             for optimizer in self.optimizers
         ]
         self._bind_optimizers()
@@ -350,6 +352,17 @@ class ZeroEngine:
             return loss
         self.scaling.backward_scale = scaler.scale  # every optimizer stepped on these gradients unscales by it
         return loss * scaler.scale
+
+    def weight_losses(self, enabled: bool = True, loss_factor: float = 1.0) -> None:
+        """Train on the gradient of the global mean loss: each backward's loss is a sum over tokens, given with its
+        weight by :meth:`add_loss_weight`; ``loss_factor`` is what the loop multiplied each loss by (``1/k`` for
+        Lightning's ``accumulate_grad_batches=k``). See [Note: weighted loss]."""
+        self.loss_weights.enabled = enabled
+        self.loss_weights.loss_factor = loss_factor
+
+    def add_loss_weight(self, weight: float, loss: float = 0.0) -> None:
+        """The weight (token count) of the loss of a backward pass, and that loss's value (for the global mean)."""
+        self.loss_weights.add(weight, loss)
 
     def _queue_end_of_backward(self) -> None:
         if not self._end_queued:

@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core.buckets import GradBucket
 from lightning_zero.core.comm import Communicator, wait_all
+from lightning_zero.core.loss_weight import LossWeights
 from lightning_zero.core.mixed_precision import DynamicLossScaler
 from lightning_zero.core.offload.disk import run_paged
 from lightning_zero.core.rest import engine_access
@@ -53,16 +54,25 @@ class StepEntry:
 
 
 class LossScaling:
-    """The fp16 loss scale (``scaler``) and the scale the held gradients were produced with."""
+    """What the held gradients are divided by before a step: the fp16 loss scale (``scaler``) they were produced
+    with, times the divisor of a weighted loss (see [Note: weighted loss])."""
 
-    def __init__(self, scaler: DynamicLossScaler | None) -> None:
+    def __init__(self, scaler: DynamicLossScaler | None, weights: LossWeights | None = None) -> None:
         self.scaler = scaler
+        self.weights = weights
         self.backward_scale: float | None = None  # every optimizer stepped on a backward's gradients unscales so
 
-    def scale_for_step(self) -> float | None:
-        if self.scaler is None:
-            return None
-        return self.backward_scale if self.backward_scale is not None else self.scaler.scale
+    def scale_for_step(self, loss_scale: float | None = None) -> float | None:
+        scale = loss_scale
+        if scale is None and self.scaler is not None:
+            scale = self.backward_scale if self.backward_scale is not None else self.scaler.scale
+        divisor = self.weights.divisor if self.weights is not None else None
+        return scale if divisor is None else (scale or 1.0) * divisor
+
+    @property
+    def weight_skips(self) -> bool:
+        """The step's global loss weight is 0: it changes nothing, and says nothing about overflow."""
+        return self.weights is not None and self.weights.skips
 
 
 class OptimizerStep:
@@ -75,6 +85,7 @@ class OptimizerStep:
         device: where small control tensors (overflow flags, norms) live; NCCL needs the GPU.
         scaling: the loss scale shared by every optimizer of the engine.
         on_step_end: called after every step (the engine takes the step's communication counts).
+        on_prepare: called before the step gradients are made (the engine agrees on the loss weight there).
     """
 
     def __init__(
@@ -85,8 +96,11 @@ class OptimizerStep:
         device: torch.device,
         scaling: LossScaling,
         on_step_end: Callable[[], None],
+        on_prepare: Callable[[], None] = lambda: None,
     ) -> None:
         self.optimizer = optimizer
+        self.on_prepare = on_prepare
+        self._weight_skipped = False
         self.comm = comm
         self.device = device
         self.scaling = scaling
@@ -137,13 +151,17 @@ class OptimizerStep:
         self.abort()  # an earlier optimizer.step() raised inside the window
         if self.state is StepState.PREPARED:
             return self._finite
-        scale = loss_scale if loss_scale is not None else self.scaling.scale_for_step()
+        self.on_prepare()
+        scale = self.scaling.scale_for_step(loss_scale)
         for store in self._stores:
             if store.buffer.may_change_at_rest:  # parameters written in place since the last step
                 store.sync_from_params()
         self._step_grads = self._make_step_grads(scale)
         self._scale, self._clipped, self._finite = scale, False, True
-        if scale is not None:
+        self._weight_skipped = self.scaling.weight_skips  # a step over no tokens (see [Note: weighted loss])
+        if self._weight_skipped:
+            self._finite = False
+        elif scale is not None:
             overflow = torch.zeros((), dtype=torch.uint8, device=self.device)
             for grad in self._step_grads:
                 if grad is not None:
@@ -308,7 +326,7 @@ class OptimizerStep:
     def _end_step(self, stepped: bool) -> None:
         self._release()
         self.state = StepState.IDLE
-        if self._scale is not None and self.scaling.scaler is not None:
+        if self._scale is not None and self.scaling.scaler is not None and not self._weight_skipped:
             self.scaling.scaler.update(found_inf=not stepped)
         self.on_step_end()
 

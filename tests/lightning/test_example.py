@@ -148,3 +148,11 @@ def test_gpt_initialisation_is_the_same_when_built_on_the_meta_device() -> None:
             assert params[name].std().item() == pytest.approx(std, rel=0.1), name
         assert params["blocks.0.mlp.0.bias"].abs().max().item() == 0.0
         assert params["ln_f.weight"].eq(1).all()
+
+
+def test_variable_length_batches_train_on_the_token_weighted_mean(tmp_path: Path) -> None:
+    """Padded sequences of random lengths with ZeroStrategy(weighted_loss=True): the logged train_loss is the
+    strategy's global mean per token of each step, and it falls."""
+    losses = _train_losses(tmp_path, "variable_length", "examples/configs/variable_length.yaml", steps=20)
+    assert len(losses) == 20
+    assert losses[-1] < losses[0] - 1.0, losses
