@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import resource
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,11 +81,18 @@ def _peak_rss_growth(rank: int, world_size: int, eager: bool) -> int:
     """Peak RSS while building, sharding and evaluating the model, minus the RSS just before."""
     _trainer(world_size).validate(WideMLP(eager=False), _data(), verbose=False)  # warm up: imports, allocator
     gc.collect()
-    # The warm-up's own peak (about the lazy run's) is a floor of ru_maxrss, so growth is never understated.
+    # The peak is this process's high-water RSS reset here (/proc/self/clear_refs): ru_maxrss would also hold the
+    # warm-up's peak and, through fork, the peak of the process that spawned this one.
     before = _rss()
+    Path("/proc/self/clear_refs").write_text("5")
     trainer = _trainer(world_size)
     trainer.validate(WideMLP(eager=eager), _data(), verbose=False)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return _peak_rss() - before
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
 def test_configure_model_never_holds_the_full_model(monkeypatch: pytest.MonkeyPatch) -> None:
