@@ -25,7 +25,6 @@ BACKENDS = ("nccl", "gloo")
 # Options that the contract names and the core does not implement yet; each maps to the issue that
 # builds it, so the error can say so instead of silently ignoring the option.
 _NOT_YET_BUILT = {
-    "offload_params='nvme'": ("the offload issue", "Use offload_params='cpu' (with offload_optimizer='nvme') for now."),
     "partition='parameter'": ("the whole-tensor owners issue", "Use partition='flat' for now."),
     "shard_size": ("the hybrid sharding issue", "Use shard_size=None for now."),
 }
@@ -94,7 +93,6 @@ class ZeroConfig:
 
     def _check_built(self) -> None:
         requested = {
-            "offload_params='nvme'": self.offload_params == "nvme",
             "partition='parameter'": self.partition == "parameter",
             "shard_size": self.shard_size is not None,
         }

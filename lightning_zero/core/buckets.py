@@ -288,7 +288,7 @@ class GradReducer:
     def _agree_on_used(self) -> list[list[bool]]:
         """Which parameters got a gradient on any rank since the last reduction, per bucket."""
         flags = [used for bucket in self.buckets for used in bucket.locally_used]
-        device = self.buckets[0].buffer.shard.device
+        device = self.buckets[0].shard_grad.device  # the device collectives run on
         merged = torch.tensor(flags, dtype=torch.uint8, device=device)
         self.comm.all_reduce(merged, op="max")
         merged_flags = merged.bool().tolist()

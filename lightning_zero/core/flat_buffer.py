@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum, auto
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +35,16 @@ from torch import Tensor, nn
 from lightning_zero.core.comm import Communicator, Work
 from lightning_zero.core.layout import FlatLayout, Piece
 from lightning_zero.core.rest import engine_access
+
+
+class ShardStorage(Protocol):
+    """Where a stage-3 shard rests between uses (``offload_params="nvme"``: a swap-file region)."""
+
+    def put(self, shard: Tensor) -> None: ...
+
+    def get(self, dtype: torch.dtype, numel: int) -> Tensor: ...
+
+    def holds(self, shard: Tensor) -> bool: ...
 
 
 class ShardedState(Enum):
@@ -148,6 +159,12 @@ class FlatParamBuffer:
         whose other elements :meth:`ReplicatedBuffer.load_full` sets)."""
         self.owned(self.shard, slot).copy_(values)
 
+    def shard_written(self) -> None:
+        """The shard's values were changed in place (a step): where it rests on disk, write it back when settled."""
+
+    def settle(self) -> None:
+        """Let a shard resting on disk leave memory (see :class:`ShardedBuffer`); a no-op here."""
+
     @property
     def nbytes(self) -> int:
         """Bytes of parameter storage held now."""
@@ -184,7 +201,9 @@ class ReplicatedBuffer(FlatParamBuffer):
 
 class ShardedBuffer(FlatParamBuffer):
     """Stage 3: the shard is a tensor of its own; the full buffer exists only while gathered. With
-    ``shard_home`` (``offload_params="cpu"``) the shard rests there and is copied to the device for each gather."""
+    ``shard_home`` (``offload_params="cpu"``) the shard rests there and is copied to the device for each gather;
+    with ``resting`` (``offload_params="nvme"``) it rests in a swap file and is in memory only from its first use
+    (a gather, a step, a checkpoint) until :meth:`settle` (when the unit is freed, after the step)."""
 
     may_change_at_rest = False  # writes at rest are refused (see [Note: stage-3 parameters at rest])
 
@@ -195,9 +214,36 @@ class ShardedBuffer(FlatParamBuffer):
         world_size: int,
         device: torch.device | None = None,
         shard_home: torch.device | None = None,
+        resting: ShardStorage | None = None,
     ) -> None:
         self.shard_home = shard_home
+        self.resting = resting
+        self._shard: Tensor | None = None
+        self._written = False
         super().__init__(params, rank, world_size, device)
+
+    @property  # type: ignore[override]
+    def shard(self) -> Tensor:
+        if self._shard is None:  # at rest on disk: read back on first use
+            assert self.resting is not None
+            self._shard = self.resting.get(self.data.dtype, self.layout.shard_numel)
+        return self._shard
+
+    @shard.setter
+    def shard(self, value: Tensor) -> None:
+        self._shard, self._written = value, True
+
+    def shard_written(self) -> None:
+        self._written = True
+
+    def settle(self) -> None:
+        """``offload_params="nvme"``: the shard goes back to its swap region (written if it changed) and leaves
+        memory; a no-op otherwise."""
+        if self.resting is None or self._shard is None:
+            return
+        if self._written or not self.resting.holds(self._shard):
+            self.resting.put(self._shard)
+        self._shard, self._written = None, False
 
     def _make_shard(self) -> Tensor:
         lo, hi = self.bounds
@@ -207,6 +253,10 @@ class ShardedBuffer(FlatParamBuffer):
 
         shard = host_empty(hi - lo, self.data.dtype, pin=self.data.device.type == "cuda")
         return shard.copy_(self.data[lo:hi])
+
+    def load_owned(self, slot: int, values: Tensor) -> None:
+        super().load_owned(slot, values)
+        self._written = True
 
     @property
     def shard_offloaded(self) -> bool:
@@ -243,10 +293,12 @@ class ShardedBuffer(FlatParamBuffer):
         """Copy this rank's part of the gathered buffer into the shard (after the parameters were changed)."""
         lo, hi = self.bounds
         self.shard.copy_(self.data[lo:hi])
+        self._written = True
 
     def reshard(self) -> None:
-        """Free the full buffer's memory. See [Note: freeing gathered storage]."""
+        """Free the full buffer's memory (and, resting on disk, the shard's). See [Note: freeing gathered storage]."""
         self.data.untyped_storage().resize_(0)
+        self.settle()
 
     @property
     def nbytes(self) -> int:
@@ -256,4 +308,4 @@ class ShardedBuffer(FlatParamBuffer):
 
     @property
     def shard_nbytes(self) -> int:
-        return self.shard.numel() * self.shard.element_size()
+        return self.layout.shard_numel * self.data.element_size()

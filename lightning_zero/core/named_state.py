@@ -64,7 +64,7 @@ class ShardedTensor:
         """Where the optimizer keeps this parameter's state (the host for offloaded stores)."""
         store = self._engine.stores.get(id(self._buffer))
         if store is None:
-            return self._buffer.shard.device
+            return self._buffer.data.device
         return torch.device("cpu") if store.offloaded else store.step_view(self._slot).device
 
     def load(self, read: Read) -> None:

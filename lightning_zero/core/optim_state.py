@@ -64,7 +64,7 @@ def gather_param_states(
     dtypes = {key: dtype for entry in everyone for key, dtype in entry["tensor_keys"].items()}
     for key in sorted(dtypes):
         dtype = getattr(torch, dtypes[key].removeprefix("torch."))
-        shard = torch.zeros(buffer.shard.numel(), dtype=dtype, device=buffer.shard.device)
+        shard = torch.zeros(buffer.layout.shard_numel, dtype=dtype, device=buffer.data.device)
         for piece, state in zip(buffer.pieces, piece_states, strict=True):
             if key in state:
                 FlatParamBuffer.shard_view(shard, piece).copy_(state[key])

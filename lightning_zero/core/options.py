@@ -28,7 +28,8 @@ class EngineOptions:
         wrap_policy: stage-3 gather units (module classes or a ``callable(module) -> bool``; ``None``: default).
         offload_optimizer: ``"cpu"`` or ``"nvme"``: the fp32 master and optimizer state live (and step) off the
             device; ``False``: on it.
-        offload_params: ``"cpu"``: stage-3 parameter shards rest in host memory between gathers.
+        offload_params: ``"cpu"`` / ``"nvme"``: stage-3 parameter shards rest in host memory / the swap file
+            between uses.
         nvme_path: the directory of each rank's swap file (``offload_optimizer="nvme"``).
     """
 
@@ -47,18 +48,19 @@ class EngineOptions:
             raise ValueError(f"bucket_cap_mb must be a number of megabytes, got {self.bucket_cap_mb!r}.")
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}. The default is 25.")
+        self._check_offload()
+
+    def _check_offload(self) -> None:
         if self.offload_optimizer not in (False, "cpu", "nvme"):
             raise ValueError(f"offload_optimizer={self.offload_optimizer!r}: choose False, 'cpu' or 'nvme'.")
-        if self.offload_params not in (False, "cpu"):
-            raise ValueError(f"offload_params={self.offload_params!r}: choose False or 'cpu'.")
+        if self.offload_params not in (False, "cpu", "nvme"):
+            raise ValueError(f"offload_params={self.offload_params!r}: choose False, 'cpu' or 'nvme'.")
         if self.offload_params and not self.offload_optimizer:
-            raise ValueError(
-                "offload_params='cpu' needs offload_optimizer='cpu' or 'nvme' (the optimizer steps there)."
-            )
+            raise ValueError("offload_params needs offload_optimizer='cpu' or 'nvme': the optimizer steps there.")
         if self.offload_params and self.stage != 3:
             raise ValueError(f"offload_params={self.offload_params!r} needs stage=3, got stage={self.stage}.")
-        if self.offload_optimizer == "nvme" and not self.nvme_path:
-            raise ValueError("offload_optimizer='nvme' needs nvme_path, a directory on a fast local disk.")
+        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
+            raise ValueError("offload to 'nvme' needs nvme_path, a directory on a fast local disk.")
 
     @property
     def bucket_cap_bytes(self) -> int:

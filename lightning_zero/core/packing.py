@@ -137,7 +137,14 @@ class Packer:
 
     def _sharded(self, params: Sequence[nn.Parameter]) -> list[ShardedBuffer]:
         return [
-            ShardedBuffer(same, self.comm.rank, self.comm.world_size, device=self.device, shard_home=self.shard_home)
+            ShardedBuffer(
+                same,
+                self.comm.rank,
+                self.comm.world_size,
+                device=self.device,
+                shard_home=self.shard_home,
+                resting=self.offload.resting() if self.offload is not None else None,
+            )
             for flag in (True, False)
             for same in split_by_dtype([p for p in params if p.requires_grad is flag], self.keep_dtype)
         ]

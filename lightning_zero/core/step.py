@@ -296,6 +296,8 @@ class OptimizerStep:
         if self._finite:
             for store in self._stores:
                 store.finish()
+        for buffer in self._buffers:
+            buffer.settle()  # offload_params="nvme": shards read for the step go back to disk
         self._release()  # the wide step gradients go before the gather of new shards needs its memory
         if self._finite:
             wait_all([buffer.publish(self.comm) for buffer in self._buffers])

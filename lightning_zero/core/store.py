@@ -100,7 +100,8 @@ class InPlaceStore(ShardStore):
                 grad.mul_(scale)
 
     def finish(self) -> None:
-        """Nothing to do: the optimizer wrote the shard itself."""
+        """The optimizer wrote the shard itself."""
+        self.buffer.shard_written()
 
     def sync_from_params(self) -> None:
         self.buffer.reattach()  # the optimizer's copy is the shard itself, once every parameter is a view again
@@ -143,6 +144,7 @@ class MasterStore(ShardStore):
 
     def finish(self) -> None:
         self.buffer.shard.copy_(self.master)
+        self.buffer.shard_written()
 
     def sync_from_params(self) -> None:
         self.buffer.reattach()

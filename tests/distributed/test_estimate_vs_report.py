@@ -21,7 +21,13 @@ PRECISIONS = {
 }
 FIELDS = ("params", "gradients", "optimizer_states", "total", "offloaded")
 # name: (offload_optimizer, offload_params); parameters only at stage 3
-OFFLOADS = {"none": (False, False), "cpu": ("cpu", False), "nvme": ("nvme", False), "cpu+params": ("cpu", "cpu")}
+OFFLOADS = {
+    "none": (False, False),
+    "cpu": ("cpu", False),
+    "nvme": ("nvme", False),
+    "cpu+params": ("cpu", "cpu"),
+    "nvme+params": ("nvme", "nvme"),
+}
 CASES = [(offload, stage) for offload in OFFLOADS for stage in STAGES if stage == 3 or "params" not in offload]
 
 

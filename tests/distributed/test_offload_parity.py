@@ -49,6 +49,8 @@ MODES = {
     "nvme": {"offload_optimizer": "nvme"},
     "cpu+params": {"offload_optimizer": "cpu", "offload_params": "cpu"},
     "nvme+params": {"offload_optimizer": "nvme", "offload_params": "cpu"},
+    "nvme+nvmeparams": {"offload_optimizer": "nvme", "offload_params": "nvme"},
+    "cpu+nvmeparams": {"offload_optimizer": "cpu", "offload_params": "nvme"},
 }
 
 
@@ -58,7 +60,7 @@ def _modes(stage: int) -> list[str]:
 
 def _options(mode: str, directory: str) -> dict[str, Any]:
     options = dict(MODES[mode])
-    if options["offload_optimizer"] == "nvme":
+    if "nvme" in options.values():
         options["nvme_path"] = directory
     return options
 
@@ -87,6 +89,10 @@ def run_fp32(rank: int, world_size: int) -> dict[str, Any]:
             for mode in _modes(stage):
                 model = copy.deepcopy(initial)
                 engine = train_zero(model, case, rank, stage, comm, **_options(mode, directory))
+                if "nvmeparams" in mode:  # at rest every shard is on disk, none in memory
+                    results[f"{name}/stage{stage}/{mode}/resident_shards"] = sum(
+                        b._shard is not None for b in engine.buffers
+                    )
                 with engine.gathered():
                     results[f"{name}/stage{stage}/{mode}"] = relative_difference(reference, model)
                 states[mode] = _state(engine, model)
@@ -144,6 +150,13 @@ def test_fp32_offload_equals_ddp(fp32: tuple[int, list[dict[str, Any]]], stage: 
         for mode in _modes(stage):
             difference = per_rank[f"{case}/stage{stage}/{mode}"]
             assert difference <= TOLERANCE, f"rank {rank} {mode}: {difference:.2e} from DDP"
+
+
+@pytest.mark.parametrize("case", [c for c in FP32_CASES if 3 in STAGES[c]])
+def test_stage3_shards_rest_on_disk_with_offload_params_nvme(fp32: tuple[int, list[dict[str, Any]]], case: str) -> None:
+    for rank, per_rank in enumerate(fp32[1]):
+        for mode in ("nvme+nvmeparams", "cpu+nvmeparams"):
+            assert per_rank[f"{case}/stage3/{mode}/resident_shards"] == 0, (rank, mode)
 
 
 @pytest.mark.parametrize(("stage", "case"), [(s, c) for c in FP32_CASES for s in STAGES[c]])

@@ -36,6 +36,7 @@ MODES = {
     "cpu": {"offload_optimizer": "cpu"},
     "nvme": {"offload_optimizer": "nvme"},
     "cpu+params": {"offload_optimizer": "cpu", "offload_params": "cpu"},
+    "nvme+nvmeparams": {"offload_optimizer": "nvme", "offload_params": "nvme"},
 }
 TRAINED = [(stage, mode) for stage in (1, 2, 3) for mode in MODES if stage == 3 or "params" not in mode]
 
@@ -44,7 +45,7 @@ def _kwargs(mode: str | None, nvme: Path) -> dict[str, Any]:
     if mode is None:
         return {"state_dict_type": "sharded"}
     kwargs = dict(MODES[mode], state_dict_type="sharded")
-    if kwargs["offload_optimizer"] == "nvme":
+    if "nvme" in (kwargs["offload_optimizer"], kwargs.get("offload_params")):
         kwargs["nvme_path"] = str(nvme)
     return kwargs
 
@@ -258,11 +259,11 @@ def test_offload_setup_problems_raise_on_every_rank(
         assert f"offload_optimizer={target!r} cannot run" in message
 
 
-def test_offload_params_nvme_says_it_is_not_built() -> None:
+def test_offload_params_nvme_needs_nvme_path() -> None:
     from lightning_zero import ZeroStrategy
 
-    with pytest.raises(NotImplementedError, match=r"offload_params='nvme'.*Use offload_params='cpu'"):
-        ZeroStrategy(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme_path="/tmp")
+    with pytest.raises(ValueError, match=r"offload to 'nvme' needs nvme_path"):
+        ZeroStrategy(stage=3, offload_optimizer="cpu", offload_params="nvme")
 
 
 def test_fused_kernel_is_chosen_once_and_logged(caplog: pytest.LogCaptureFixture) -> None:

@@ -54,7 +54,6 @@ def test_invalid_options_raise_value_error(kwargs: dict, match: str) -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"stage": 3, "offload_optimizer": "cpu", "offload_params": "nvme", "nvme_path": "/tmp"},
         {"partition": "parameter"},
         {"shard_size": 2},
     ],

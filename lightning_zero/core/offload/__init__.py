@@ -11,7 +11,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_zero.core.flat_buffer import FlatParamBuffer
-from lightning_zero.core.offload.disk import DiskStore, IOCounts, SwapFile
+from lightning_zero.core.offload.disk import DiskStore, IOCounts, ShardOnDisk, SwapFile
 from lightning_zero.core.offload.host import HOST, HostStore
 from lightning_zero.core.store import ShardStore
 
@@ -28,7 +28,8 @@ class Offload:
 
     Args:
         optimizer: ``"cpu"`` or ``"nvme"`` for the master and optimizer state, ``False`` to keep them on the device.
-        params: ``"cpu"`` to rest stage-3 parameter shards in host memory, ``False`` to keep them on the device.
+        params: ``"cpu"`` to rest stage-3 parameter shards in host memory, ``"nvme"`` in the swap file (read back
+            for each use), ``False`` to keep them on the device.
         nvme_path: the directory of the swap file (``optimizer="nvme"``).
         rank: this rank (names the swap file in errors).
     """
@@ -36,11 +37,13 @@ class Offload:
     def __init__(self, optimizer: str | bool, params: str | bool, nvme_path: str | None, rank: int) -> None:
         self.optimizer = optimizer
         self.params = params
-        self.swap = SwapFile(nvme_path, rank) if optimizer == "nvme" and nvme_path else None
+        nvme = "nvme" in (optimizer, params)
+        self.swap = SwapFile(nvme_path, rank) if nvme and nvme_path else None
 
     def store(self, buffer: FlatParamBuffer, master_dtype: torch.dtype) -> ShardStore | None:
         """The store of a trainable floating-point buffer, or ``None`` when the optimizer stays on the device."""
-        if self.swap is not None:
+        if self.optimizer == "nvme":
+            assert self.swap is not None
             return DiskStore(buffer, master_dtype, self.swap)
         if self.optimizer == "cpu":
             return HostStore(buffer, master_dtype)
@@ -49,7 +52,11 @@ class Offload:
     @property
     def shard_home(self) -> torch.device | None:
         """Where stage-3 parameter shards rest (``None``: with the full buffer, on the device)."""
-        return HOST if self.params == "cpu" else None
+        return HOST if self.params else None
+
+    def resting(self) -> ShardOnDisk | None:
+        """Where one stage-3 shard rests between uses (``offload_params="nvme"``: a swap-file region)."""
+        return ShardOnDisk(self.swap) if self.params == "nvme" and self.swap is not None else None
 
     @property
     def io(self) -> IOCounts:

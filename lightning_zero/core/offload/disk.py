@@ -249,11 +249,13 @@ class DiskStore(ShardStore):
         """After the optimizer stepped: the new shard reaches the device, state moves into the regions (new state
         gets one), and the optimizer keeps placeholders."""
         to_device(paged.views["master"], self.buffer.shard)
+        self.buffer.shard_written()
         self._sync_pending = False
         self._take_state(paged, optimizer, [(param, slot) for param, slot, _ in entries])
         for param, slot, _ in entries:
             param.grad = None
             param.data = self.step_view(slot)  # the page is freed once written back, not at the end of the step
+        self.buffer.settle()  # offload_params="nvme": the new shard goes to its region too
 
     def page_out(self, paged: Paged) -> None:
         """Write the paged-in regions back (in a worker thread)."""
@@ -337,7 +339,9 @@ class DiskStore(ShardStore):
                 self.slots_with[name].clear()
 
     def step_view(self, slot: int) -> Tensor:
-        return self.buffer.owned(self.buffer.shard, slot)  # stepped in run_paged; the call itself sees no grad
+        """A stand-in of the piece's size that holds no memory: the parameter is stepped in :func:`run_paged`,
+        and ``optimizer.step()`` itself then sees it without a gradient."""
+        return torch.empty((), dtype=self.master_dtype).expand(self.buffer.pieces[slot].numel)
 
     def best(self) -> Tensor:
         if self._staged is not None:
@@ -384,6 +388,30 @@ class DiskStore(ShardStore):
     @property
     def offloaded_nbytes(self) -> int:
         return sum(region.nbytes for region, _ in self.regions.values())
+
+
+class ShardOnDisk:
+    """A stage-3 parameter shard at rest in a region of the swap file (``offload_params="nvme"``); see
+    :class:`~lightning_zero.core.flat_buffer.ShardedBuffer`."""
+
+    def __init__(self, swap: SwapFile) -> None:
+        self.swap = swap
+        self.region: Region | None = None
+
+    def put(self, shard: Tensor) -> None:
+        nbytes = shard.numel() * shard.element_size()
+        if self.region is None or self.region.nbytes != nbytes:
+            self.region = self.swap.allocate(nbytes)
+        page = aligned_empty(self.region.padded)
+        page[:nbytes].copy_(shard.detach().to(HOST).contiguous().view(-1).view(torch.uint8))
+        self.swap.write(self.region, page)
+
+    def get(self, dtype: torch.dtype, numel: int) -> Tensor:
+        assert self.region is not None, "a shard is read from disk only after it was written there"
+        return _typed(self.swap.read(self.region), dtype, numel)
+
+    def holds(self, shard: Tensor) -> bool:
+        return self.region is not None
 
 
 def run_paged(

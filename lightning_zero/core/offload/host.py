@@ -136,6 +136,7 @@ class HostStore(MasterStore):
 
     def finish(self) -> None:
         to_device(self.master, self.buffer.shard)
+        self.buffer.shard_written()
 
     def sync_from_params(self) -> None:
         self.buffer.reattach()
