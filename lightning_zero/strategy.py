@@ -64,9 +64,9 @@ class ZeroStrategy(ParallelStrategy):
         stage: 1 shards optimizer state; 2 also gradients; 3 also parameters.
         offload_optimizer: ``False``, ``"cpu"`` or ``"nvme"``: where the fp32 master and the optimizer state live
             and the user's optimizer steps (host memory, or a swap file under ``nvme_path``); see docs/offload.md.
-        offload_params: ``False`` or ``"cpu"``: stage-3 parameter shards rest in host memory between gathers
-            (``"nvme"`` is in the contract, not built yet: ``NotImplementedError``).
-        nvme_path: directory of each rank's (unnamed) swap file for ``offload_optimizer="nvme"``.
+        offload_params: ``False``, ``"cpu"`` or ``"nvme"``: stage-3 parameter shards rest in host memory or in the
+            swap file between uses (needs ``offload_optimizer``).
+        nvme_path: directory of each rank's (unnamed) swap file for ``"nvme"`` offload.
         partition: ``"flat"`` (element-wise shards) or ``"parameter"`` (whole tensors per rank).
         bucket_cap_mb: size of the gradient reduce and parameter gather buckets.
         overlap_comm: reduce gradient buckets while backward still runs.

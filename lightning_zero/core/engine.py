@@ -181,10 +181,16 @@ class ZeroEngine:
         options = self.options
         if not (options.offload_optimizer or options.offload_params):
             return None
+        needs = {"cpu": 0, "nvme": 0}  # bytes a rank keeps on the host / in its swap file
         if options.offload_optimizer:
-            needed = offloaded_bytes_per_rank(self.optimizers, self.comm.world_size)
-            check_offload(options.offload_optimizer, options.nvme_path, needed, self.comm)
+            needs[options.offload_optimizer] += offloaded_bytes_per_rank(self.optimizers, self.comm.world_size)
             prefer_fused_kernels(self.optimizers)
+        if options.offload_params == "nvme":
+            numel = sum(p.numel() * p.element_size() for p in self.module.parameters())
+            needs["nvme"] += -(-numel // self.comm.world_size)
+        for target in ("cpu", "nvme"):
+            if needs[target] or options.offload_optimizer == target:  # the same checks on every rank
+                check_offload(target, options.nvme_path, needs[target], self.comm)
         return Offload(options.offload_optimizer, options.offload_params, options.nvme_path, self.comm.rank)
 
     @staticmethod
