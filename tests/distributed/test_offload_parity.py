@@ -281,3 +281,52 @@ def test_an_io_error_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
     assert "reading the unlinked swap file of rank 1 in" in messages[1], messages
     assert "at offset" in messages[1]
     assert "[errno 5 EIO]" in messages[1]
+
+
+def _odd_uses(rank: int, world_size: int, directory: str, stage: int) -> dict[str, Any]:
+    """SGD (its fused kernel is bit-identical to the default), fp16 with a dynamic loss scale and an inf in rank
+    1's gradient at step 2, and a layer frozen at setup and unfrozen after step 3: every offload mode must give
+    the engine without offload's parameters and scale bit for bit (the overflow skipped on every rank, the
+    unfrozen layer sharded into new swap regions)."""
+    from lightning_zero.core.engine import ZeroEngine
+    from lightning_zero.core.mixed_precision import DynamicLossScaler, PrecisionPolicy
+    from lightning_zero.core.options import EngineOptions
+
+    results: dict[str, Any] = {}
+    for mode in ["none", *_modes(stage)]:
+        torch.manual_seed(0)
+        model = TinyLM()
+        model.emb.weight.requires_grad_(False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        offload = {} if mode == "none" else _options(mode, directory)
+        policy_units = {torch.nn.Linear} if stage == 3 else None
+        options = EngineOptions(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy_units, **offload)
+        policy = PrecisionPolicy(torch.float16, torch.float32, torch.float32)
+        scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2)
+        engine = ZeroEngine(model, [optimizer], options, Communicator(), precision=policy, loss_scaler=scaler)
+        for step in range(6):
+            if step == 3:
+                model.emb.weight.requires_grad_(True)
+            engine.begin_iteration()
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(model, *batch(10 * step + rank))
+            if step == 2 and rank == 1:
+                loss = loss * float("inf")
+            engine.scale_loss(loss).backward()
+            engine.finish_backward()
+            optimizer.step()
+        results[mode] = {"state": engine.full_state_dict(keep=True), "scale": scaler.scale}
+        engine.release()
+    return results
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_overflow_skip_and_unfreezing_after_setup_match_no_offload_bit_for_bit(tmp_path: Path, stage: int) -> None:
+    for rank, results in enumerate(run_on_ranks(_odd_uses, 2, str(tmp_path), stage)):
+        reference = results.pop("none")
+        assert reference["scale"] < 2.0**10 * 2**3  # six clean steps would have doubled it three times
+        for mode, result in results.items():
+            assert result["scale"] == reference["scale"], (rank, mode)
+            for key, value in reference["state"].items():
+                assert torch.equal(value, result["state"][key]), (rank, mode, key)

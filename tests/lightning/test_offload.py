@@ -272,8 +272,12 @@ def test_fused_kernel_is_chosen_once_and_logged(caplog: pytest.LogCaptureFixture
     model = torch.nn.Linear(4, 4)
     chosen = torch.optim.AdamW(model.parameters(), foreach=True)
     default = torch.optim.AdamW(model.parameters())
+    momentum = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plain_sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level("INFO", logger="lightning_zero"):
-        prefer_fused_kernels([chosen, default])
+        prefer_fused_kernels([chosen, default, momentum, plain_sgd])
     assert chosen.param_groups[0]["fused"] is None  # the user's choice stays
     assert default.param_groups[0]["fused"] is True
-    assert "fused kernel (AdamW group 0)" in caplog.text
+    assert momentum.param_groups[0]["fused"] is None  # torch's fused SGD cannot take a late first gradient
+    assert plain_sgd.param_groups[0]["fused"] is True
+    assert "fused kernel (AdamW group 0, SGD group 0)." in caplog.text

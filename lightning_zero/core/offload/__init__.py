@@ -70,13 +70,18 @@ class Offload:
 
 
 def prefer_fused_kernels(optimizers: list[Optimizer]) -> None:
-    """Offloaded steps run on the CPU: give Adam, AdamW, SGD and Adagrad param groups that chose neither ``fused``
-    nor ``foreach`` torch's fused CPU kernel (bitwise the same maths, several times faster), and say so once."""
+    """Offloaded steps run on the CPU: give Adam, AdamW, Adagrad and momentum-free SGD param groups that chose
+    neither ``fused`` nor ``foreach`` torch's fused CPU kernel (the same maths, several times faster), and say so
+    once."""
     switched = []
     for optimizer in optimizers:
         if not isinstance(optimizer, _FUSED_ON_CPU):
             continue
         for index, group in enumerate(optimizer.param_groups):
+            if isinstance(optimizer, torch.optim.SGD) and group.get("momentum"):
+                # torch's fused SGD raises once one parameter has a momentum buffer and another gets its first
+                # gradient (an unused parameter used later, a layer unfrozen): the default kernel does not.
+                continue
             if group.get("fused") is None and group.get("foreach") is None and not group.get("differentiable"):
                 group["fused"] = True
                 switched.append(f"{type(optimizer).__name__} group {index}")
