@@ -126,10 +126,16 @@ SYSTEMS = (
     *(f"{base}{BF16}" for base in ("ddp", "zero1", "zero2", "zero3", "fsdp2", "base1", "base2", "base3")),
 )
 # Offload systems: the engine with the optimizer on the CPU ("_cpu"), paged from a swap file in --nvme-path
-# ("_nvme"), and at stage 3 with the parameter shards on the host too ("_cpuparams"); "_bf16" after that.
-OFFLOADS = {"_cpu": ("cpu", False), "_nvme": ("nvme", False), "_cpuparams": ("cpu", "cpu")}
+# ("_nvme"), and at stage 3 with the parameter shards on the host ("_cpuparams") or on NVMe too ("_nvmeparams");
+# "_bf16" after that.
+OFFLOADS = {
+    "_cpu": ("cpu", False),
+    "_nvme": ("nvme", False),
+    "_cpuparams": ("cpu", "cpu"),
+    "_nvmeparams": ("nvme", "nvme"),
+}
 _OFFLOADED = tuple(
-    f"zero{stage}{suffix}" for suffix in OFFLOADS for stage in (1, 2, 3) if stage == 3 or suffix != "_cpuparams"
+    f"zero{stage}{suffix}" for suffix in OFFLOADS for stage in (1, 2, 3) if stage == 3 or "params" not in suffix
 )
 SYSTEMS = (*SYSTEMS, *_OFFLOADED, *(f"{name}{BF16}" for name in _OFFLOADED))
 # base1-base3: an earlier commit's core, imported under the package name in this variable (see ab_core.py).
