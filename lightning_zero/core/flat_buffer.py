@@ -26,6 +26,7 @@ storage, i.e. every unit gathered in forward would stay in memory until its back
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from enum import Enum, auto
 from typing import Protocol
 
@@ -45,6 +46,8 @@ class ShardStorage(Protocol):
     def get(self, dtype: torch.dtype, numel: int) -> Tensor: ...
 
     def holds(self, shard: Tensor) -> bool: ...
+
+    def get_async(self, dtype: torch.dtype, numel: int) -> Future[Tensor]: ...
 
 
 class ShardedState(Enum):
@@ -165,6 +168,9 @@ class FlatParamBuffer:
     def settle(self) -> None:
         """Let a shard resting on disk leave memory (see :class:`ShardedBuffer`); a no-op here."""
 
+    def read_ahead(self) -> None:
+        """Start bringing a shard resting on disk into memory (see :class:`ShardedBuffer`); a no-op here."""
+
     @property
     def nbytes(self) -> int:
         """Bytes of parameter storage held now."""
@@ -219,19 +225,30 @@ class ShardedBuffer(FlatParamBuffer):
         self.shard_home = shard_home
         self.resting = resting
         self._shard: Tensor | None = None
+        self._reading: Future[Tensor] | None = None  # a read-ahead of the resting shard (see read_ahead)
         self._written = False
         super().__init__(params, rank, world_size, device)
 
     @property  # type: ignore[override]
     def shard(self) -> Tensor:
-        if self._shard is None:  # at rest on disk: read back on first use
+        if self._shard is None:  # at rest on disk: read back on first use (or take the read-ahead)
             assert self.resting is not None
-            self._shard = self.resting.get(self.data.dtype, self.layout.shard_numel)
+            reading, self._reading = self._reading, None
+            self._shard = reading.result() if reading else self.resting.get(self.data.dtype, self.layout.shard_numel)
         return self._shard
 
     @shard.setter
     def shard(self, value: Tensor) -> None:
+        if self._reading is not None:
+            self._reading.result()
+            self._reading = None
         self._shard, self._written = value, True
+
+    def read_ahead(self) -> None:
+        """Start reading a shard that rests on disk in the background (the unit is gathered soon); a no-op when
+        it is in memory, being read, or not on disk."""
+        if self.resting is not None and self._shard is None and self._reading is None:
+            self._reading = self.resting.get_async(self.data.dtype, self.layout.shard_numel)
 
     def shard_written(self) -> None:
         self._written = True
@@ -239,6 +256,9 @@ class ShardedBuffer(FlatParamBuffer):
     def settle(self) -> None:
         """``offload_params="nvme"``: the shard goes back to its swap region (written if it changed) and leaves
         memory; a no-op otherwise."""
+        if self._reading is not None:  # read ahead, never used: the region still holds the values
+            self._reading.result()
+            self._reading = None
         if self.resting is None or self._shard is None:
             return
         if self._written or not self.resting.holds(self._shard):

@@ -199,6 +199,8 @@ class Stage3Scheduler:
         self._forward_cursor = position + 1
         if position + 1 < len(self._order):
             self._order[position + 1].start_unshard(self.comm)
+        if position + 2 < len(self._order):
+            self._order[position + 2].read_ahead()  # shards resting on disk: read while this unit computes
 
     # ------------------------------------------------------------------ backward
     def open_plan(self) -> None:
@@ -230,6 +232,8 @@ class Stage3Scheduler:
                 pass
             if self.prefetch and self._cursor < len(self._plan):
                 self._issue_next()
+                if self._cursor < len(self._plan):
+                    self._plan[self._cursor].read_ahead()
         elif not self._plan_open:
             unit.unshard(self.comm)  # no backward was announced: gathered when needed (see the note)
         elif not unit.gathered_or_pending:

@@ -187,6 +187,11 @@ class GatherUnit:
             with engine_access():
                 self._pending = [buffer.start_unshard(comm) for buffer in self.buffers]
 
+    def read_ahead(self) -> None:
+        """Start reading shards that rest on disk (``offload_params="nvme"``): the unit is gathered next."""
+        for buffer in self.buffers:
+            buffer.read_ahead()
+
     def unshard(self, comm: Communicator) -> None:
         """Make the parameters usable: finish a started gather, or gather now."""
         self.start_unshard(comm)

@@ -413,6 +413,10 @@ class ShardOnDisk:
     def holds(self, shard: Tensor) -> bool:
         return self.region is not None
 
+    def get_async(self, dtype: torch.dtype, numel: int) -> Future[Tensor]:
+        """:meth:`get` on the swap file's worker threads (a read-ahead)."""
+        return self.swap.pool.submit(self.get, dtype, numel)
+
 
 def run_paged(
     optimizer: Optimizer,
