@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from torch import Tensor, nn
@@ -18,6 +19,16 @@ class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
     Lightning reads them from ``module.state_dict()``, which at stage 3 holds only freed shards and in 16-bit runs
     only the rounded parameters. Here every rank gathers them (with the fp32 masters) one buffer at a time instead.
     """
+
+    @override
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        # A rank that exits with its gloo process group alive may abort in interpreter teardown ("terminate called
+        # without an active exception": gloo's threads still hold work objects with tensors). After a successful
+        # run every rank is past its last collective, so the groups go here, while the interpreter is whole; after
+        # an exception they stay (destroying them while another rank is in a collective could hang).
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:

@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_zero import ZeroStrategy
-from tests.helpers import free_port
+from tests.helpers import free_port, run_on_ranks
 from tests.lightning.models import RecordingTwoLayer, make_loader, make_trainer, max_rel_diff, state_of
 
 WORLD_SIZE = 2
@@ -103,3 +103,25 @@ def test_launcher_returns_the_fp32_masters_of_a_stage3_bf16_run(
     assert max(max_rel_diff(masters, returned).values()) == 0.0
     # fp32 values that bf16 cannot hold: the masters, not the rounded parameters, came back.
     assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in returned.values())
+
+
+def _wrapped_run_destroys_the_group(rank: int, world_size: int) -> dict[str, bool]:
+    import queue
+
+    import torch.distributed as dist
+
+    from lightning_zero.launcher import ZeroMultiProcessingLauncher
+
+    strategy = ZeroStrategy(stage=2)
+    strategy.parallel_devices = [torch.device("cpu")]
+    launcher = ZeroMultiProcessingLauncher(strategy, start_method="spawn")
+    before = dist.is_initialized()
+    launcher._wrapping_function(0, None, lambda: "done", (), {}, queue.Queue())
+    return {"before": before, "after": dist.is_initialized()}
+
+
+def test_a_rank_that_finished_destroys_its_process_group_before_exit() -> None:
+    """Lightning's spawn/fork worker returns with the gloo group alive; a rank exiting so may abort in interpreter
+    teardown ("terminate called without an active exception"). The launcher's worker destroys it first."""
+    (result,) = run_on_ranks(_wrapped_run_destroys_the_group, 1)
+    assert result == {"before": True, "after": False}
