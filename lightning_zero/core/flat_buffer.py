@@ -162,6 +162,12 @@ class FlatParamBuffer:
         whose other elements :meth:`ReplicatedBuffer.load_full` sets)."""
         self.owned(self.shard, slot).copy_(values)
 
+    def assign_shard(self, values: Tensor) -> None:
+        """The shard becomes ``values`` (an updated master), rounded to the shard's dtype where they are (the
+        host, for an offloaded master) and then copied to the shard's device."""
+        self.shard.copy_(values.to(self.data.dtype))
+        self.shard_written()
+
     def shard_written(self) -> None:
         """The shard's values were changed in place (a step): where it rests on disk, write it back when settled."""
 
@@ -243,6 +249,15 @@ class ShardedBuffer(FlatParamBuffer):
             self._reading.result()
             self._reading = None
         self._shard, self._written = value, True
+
+    def assign_shard(self, values: Tensor) -> None:
+        if self.resting is not None and self._shard is None:  # at rest on disk: no need to read what is replaced
+            if self._reading is not None:
+                self._reading.result()
+                self._reading = None
+            self.shard = values.to(self.data.dtype, copy=True)
+            return
+        super().assign_shard(values)
 
     def read_ahead(self) -> None:
         """Start reading a shard that rests on disk in the background (the unit is gathered soon); a no-op when

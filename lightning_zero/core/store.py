@@ -143,8 +143,7 @@ class MasterStore(ShardStore):
                 grad.copy_(step_grad * (scale or 1.0))
 
     def finish(self) -> None:
-        self.buffer.shard.copy_(self.master)
-        self.buffer.shard_written()
+        self.buffer.assign_shard(self.master)
 
     def sync_from_params(self) -> None:
         self.buffer.reattach()

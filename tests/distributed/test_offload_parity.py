@@ -182,8 +182,9 @@ def test_swap_file_bytes_equal_the_formula(fp32: tuple[int, list[dict[str, Any]]
 
 
 def run_io(rank: int, world_size: int, stage: int) -> dict[str, int]:
-    """Three AdamW steps of a 0.5M-parameter model with NVMe offload; the swap file's counts and the process's
-    /proc/self/io around the steps (setup excluded: its file-system metadata writes are a few pages)."""
+    """AdamW steps of a 0.5M-parameter model with NVMe offload; the swap file's counts and the process's
+    /proc/self/io around steps 2 and 3 (setup and the first step excluded: file-system metadata writes of a few
+    pages, and modules the first step imports, read from disk when the page cache is cold)."""
     from lightning_zero.core.engine import ZeroEngine
     from lightning_zero.core.options import EngineOptions
 
@@ -192,8 +193,9 @@ def run_io(rank: int, world_size: int, stage: int) -> dict[str, int]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     options = EngineOptions(stage=stage, offload_optimizer="nvme", nvme_path=tempfile.mkdtemp(prefix="lz-io-"))
     engine = ZeroEngine(model, [optimizer], options, Communicator())
-    before, counts_before = _proc_io(), copy.copy(engine.io_counts)
     for step in range(3):
+        if step == 1:
+            before, counts_before = _proc_io(), copy.copy(engine.io_counts)
         optimizer.zero_grad()
         model(torch.randn(8, 512, generator=torch.Generator().manual_seed(step + 10 * rank))).square().mean().backward()
         optimizer.step()
@@ -214,8 +216,8 @@ def run_io(rank: int, world_size: int, stage: int) -> dict[str, int]:
 @pytest.mark.parametrize("stage", [1, 3])
 def test_proc_self_io_agrees_with_the_swap_file_counts(stage: int) -> None:
     for rank, io in enumerate(run_on_ranks(run_io, 2, stage)):
-        assert io["read"] == 4 * io["owned"] + 12 * io["owned"] * 2, (rank, io)  # step 1 reads the master only
-        assert io["written"] == 12 * io["owned"] * 3, (rank, io)
+        assert io["read"] == 12 * io["owned"] * 2, (rank, io)
+        assert io["written"] == 12 * io["owned"] * 2, (rank, io)
         assert abs(io["proc_read"] - io["read_padded"]) <= 0.01 * io["read_padded"], (rank, io)
         assert abs(io["proc_written"] - io["written_padded"]) <= 0.01 * io["written_padded"], (rank, io)
 

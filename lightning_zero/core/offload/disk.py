@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.flat_buffer import FlatParamBuffer
-from lightning_zero.core.offload.host import HOST, host_release_grads, host_step_grads, to_device
+from lightning_zero.core.offload.host import HOST, host_release_grads, host_step_grads
 from lightning_zero.core.store import ShardStore
 
 PAGE = 4096  # O_DIRECT wants page-aligned buffers, offsets and lengths
@@ -248,8 +248,7 @@ class DiskStore(ShardStore):
     def unbind(self, paged: Paged, optimizer: Optimizer, entries: Sequence[tuple[nn.Parameter, int, Tensor]]) -> None:
         """After the optimizer stepped: the new shard reaches the device, state moves into the regions (new state
         gets one), and the optimizer keeps placeholders."""
-        to_device(paged.views["master"], self.buffer.shard)
-        self.buffer.shard_written()
+        self.buffer.assign_shard(paged.views["master"])
         self._sync_pending = False
         self._take_state(paged, optimizer, [(param, slot) for param, slot, _ in entries])
         for param, slot, _ in entries:

@@ -69,11 +69,6 @@ def to_host(grad: Tensor, dtype: torch.dtype) -> Tensor:
     return moved.to(dtype)
 
 
-def to_device(values: Tensor, shard: Tensor) -> None:
-    """Round ``values`` (host, master dtype) to the shard's dtype on the host, then copy them into ``shard``."""
-    shard.copy_(values.to(shard.dtype), non_blocking=False)
-
-
 def host_step_grads(
     buffer: FlatParamBuffer, dtype: torch.dtype, slots: Sequence[int], held: Sequence[Tensor], scale: float | None
 ) -> list[Tensor]:
@@ -135,8 +130,7 @@ class HostStore(MasterStore):
         host_release_grads(held, step_grads, clipped, scale)
 
     def finish(self) -> None:
-        to_device(self.master, self.buffer.shard)
-        self.buffer.shard_written()
+        self.buffer.assign_shard(self.master)
 
     def sync_from_params(self) -> None:
         self.buffer.reattach()
