@@ -117,7 +117,12 @@ class Packer:
         with torch.no_grad():
             for tensor in self.module.buffers():
                 self.comm.broadcast(tensor, src=0)
-        return units, list(reversed(packed))
+        # Launch order: the last unit's buckets first (backward meets it first), the root's last. The root holds what
+        # is used both first and last in forward (a tied embedding and output head, position embeddings): its
+        # gradients complete at the very end of backward, and a bucket launches only after those before it, so a
+        # root launched first would keep every unit's full-size staging alive until the end of backward.
+        roots = len(units[-1].buffers)
+        return units, [*reversed(packed[: len(packed) - roots]), *packed[len(packed) - roots :]]
 
     def split_frozen(self, unit: GatherUnit, buffer: ShardedBuffer, optimized: set[int]) -> list[Packed]:
         """Stage 3: a frozen buffer of a gathered ``unit`` whose parameters became trainable, split by
