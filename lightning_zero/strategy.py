@@ -48,6 +48,7 @@ from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.memory import MemoryReport
 from lightning_zero.core.named_state import PARAM_NAMES_KEY, restore_added_param_groups
+from lightning_zero.core.rest import RestingParameter, engine_access
 from lightning_zero.launcher import ZeroMultiProcessingLauncher
 from lightning_zero.precision import ZeroPrecision, unwrap_optimizer
 
@@ -559,10 +560,13 @@ class ZeroStrategy(ParallelStrategy):
         # work after fit, and so does the module, where it is: its parameters are views of the engine's buffers
         # (at stage 3, of freed ones: gathering them here could exceed a rank's memory). Lightning's teardown would
         # move the module to the CPU, away from those buffers; this one does the rest of what Lightning's does.
-        if self._engine is None:
+        if self._engine is None and not self._half_built():
             super().teardown()
             return
-        self._engine.remove_hooks()
+        # With an engine, or after a stage-3 setup that raised part way (some parameters still on the meta device,
+        # which a move to the CPU would fail on, hiding the setup's own error).
+        if self._engine is not None:
+            self._engine.remove_hooks()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
@@ -570,6 +574,15 @@ class ZeroStrategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+    def _half_built(self) -> bool:
+        """A stage-3 setup raised part way: parameters are still on the meta device, or sharded by units committed
+        before the error (neither can be moved to the CPU)."""
+        module = self.lightning_module
+        if module is None:
+            return False
+        with engine_access():
+            return any(p.is_meta or isinstance(p, RestingParameter) for p in module.parameters())
 
     @classmethod
     @override

@@ -136,3 +136,40 @@ def test_model_from_configure_model_trains_and_gathers_after_fit() -> None:
         assert result["at_rest"] == [0] * (2 * DEPTH)  # sharded after fit: the full storage is freed
         assert torch.isfinite(torch.tensor(result["val_loss"]))
     assert torch.equal(results[0]["first"], results[1]["first"])
+
+
+class NoResetLayer(nn.Module):
+    """A layer whose parameter has no reset_parameters(): built on the meta device, it cannot be initialised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(WIDTH, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+class HalfInitialisable(WideMLP):
+    """Two ordinary layers (created and initialised first), then one that cannot be initialised."""
+
+    @staticmethod
+    def _build() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), NoResetLayer())
+
+
+def _fit_uninitialisable(rank: int, world_size: int) -> str:
+    try:
+        _trainer(world_size, max_steps=1).fit(HalfInitialisable(), _data())
+    except Exception as error:  # what the user sees last
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_a_setup_that_fails_part_way_reports_its_own_error() -> None:
+    """Setup raising after some units were created (others still on the meta device) ends with that error on every
+    rank; Lightning's teardown used to move the half-built module to the CPU and raise 'Cannot copy out of meta
+    tensor' instead."""
+    for rank, message in enumerate(run_on_ranks(_fit_uninitialisable, 2)):
+        assert message.startswith("RuntimeError"), (rank, message)
+        assert "reset_parameters()" in message, (rank, message)
+        assert "meta tensor" not in message.split("reset_parameters")[0], (rank, message)
