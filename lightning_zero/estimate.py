@@ -20,7 +20,8 @@ casts them for compute), ``"bf16-true"`` holds them in bf16 like the rest of the
 Stage 0 is plain DDP (nothing divided), for comparison. Mixed-precision Adam is the paper's
 2 + 2 + 12 bytes per parameter. Offloading moves optimizer_states (and at stage 3 the parameter
 shard) from the device into ``offloaded``; the offloaded optimizer always steps an fp32 master copy, so in
-``"32-true"`` it is K + 4 bytes (Adam: 12), not K. Not counted: padding of flat buffers (fewer than N
+``"32-true"`` it is K + 4 bytes (Adam: 12), not K. With both offloads on NVMe the gradient shard rests in the swap
+file too and is counted in ``offloaded``. Not counted: padding of flat buffers (fewer than N
 elements each), scalar optimizer state (a 4-byte ``step`` per tensor per rank), buffers,
 activations, temporary communication buffers and the allocator's fragmentation.
 """
@@ -135,6 +136,8 @@ def estimate_memory(
         offloaded, optimizer_states = offloaded + optimizer_states, 0
     if offload_params:
         offloaded, params = offloaded + params, 0
+    if offload_optimizer == "nvme" and offload_params == "nvme":  # ZeRO-Infinity: the gradient shard rests there too
+        offloaded, gradients = offloaded + gradients, 0
     return MemoryEstimate(params=params, gradients=gradients, optimizer_states=optimizer_states, offloaded=offloaded)
 
 

@@ -75,6 +75,24 @@ class GradBucket(ABC):
     def ready(self) -> bool:
         return self._missing == 0
 
+    @property
+    def device(self) -> torch.device:
+        """Where the gradients are reduced (the device collectives run on)."""
+        return self.buffer.data.device
+
+    def settle(self, write: bool = True) -> None:
+        """Let a gradient shard that rests on disk leave memory (see :class:`ShardGradBucket`); a no-op here."""
+        return
+
+    def read_ahead(self) -> None:
+        """Start reading a gradient shard that rests on disk (see :class:`ShardGradBucket`); a no-op here."""
+        return
+
+    @property
+    def offloaded_nbytes(self) -> int:
+        """Bytes of gradient storage on disk."""
+        return 0
+
     def held(self, slot: int) -> Tensor | None:
         """The live reduced gradient of parameter ``slot``'s piece, or ``None``."""
         return self.buffer.owned(self.shard_grad, slot) if self.live[slot] else None
@@ -288,7 +306,7 @@ class GradReducer:
     def _agree_on_used(self) -> list[list[bool]]:
         """Which parameters got a gradient on any rank since the last reduction, per bucket."""
         flags = [used for bucket in self.buckets for used in bucket.locally_used]
-        device = self.buckets[0].shard_grad.device  # the device collectives run on
+        device = self.buckets[0].device
         merged = torch.tensor(flags, dtype=torch.uint8, device=device)
         self.comm.all_reduce(merged, op="max")
         merged_flags = merged.bool().tolist()

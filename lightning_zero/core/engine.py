@@ -186,8 +186,10 @@ class ZeroEngine:
             needs[options.offload_optimizer] += offloaded_bytes_per_rank(self.optimizers, self.comm.world_size)
             prefer_fused_kernels(self.optimizers)
         if options.offload_params == "nvme":
-            numel = sum(p.numel() * p.element_size() for p in self.module.parameters())
-            needs["nvme"] += -(-numel // self.comm.world_size)
+            nbytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
+            if options.offload_optimizer == "nvme":  # gradients rest there too: the held one and an accumulation
+                nbytes += 2 * sum(p.numel() * p.element_size() for p in self.module.parameters() if p.requires_grad)
+            needs["nvme"] += -(-nbytes // self.comm.world_size)
         for target in ("cpu", "nvme"):
             if needs[target] or options.offload_optimizer == target:  # the same checks on every rank
                 check_offload(target, options.nvme_path, needs[target], self.comm)
@@ -227,7 +229,12 @@ class ZeroEngine:
             self.stores[id(buffer)] = store
             widened = self.policy.param_dtype is not None and buffer.data.dtype == self.policy.param_dtype
             reduce_dtype = self.policy.reduce_dtype if isinstance(store, MasterStore) or widened else None
-            bucket = bucket_type(buffer, self.comm, reduce_dtype)
+            resting = self.offload.gradient_resting() if self.offload is not None and store.paged else None
+            bucket = (
+                ShardGradBucket(buffer, self.comm, reduce_dtype, resting)
+                if resting
+                else bucket_type(buffer, self.comm, reduce_dtype)
+            )
             self.buckets.append(bucket)
             self._bucket_of[id(buffer)] = bucket
         self.reducer.remove_hooks()
@@ -566,6 +573,7 @@ class ZeroEngine:
         masters = sum(store.nbytes for store in self.stores.values())  # counted with the optimizer, as in the paper
         offloaded = sum(store.offloaded_nbytes for store in self.stores.values())
         offloaded += sum(b.shard_nbytes for b in self.buffers if getattr(b, "shard_offloaded", False))
+        offloaded += sum(bucket.offloaded_nbytes for bucket in self.buckets)
         host_params = {id(e.param) for s in self.steps for e in s.entries if e.store.offloaded}
         resident = offloaded_states = 0
         for optimizer in self.optimizers:

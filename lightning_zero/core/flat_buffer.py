@@ -49,6 +49,9 @@ class ShardStorage(Protocol):
 
     def get_async(self, dtype: torch.dtype, numel: int) -> Future[Tensor]: ...
 
+    @property
+    def nbytes(self) -> int: ...
+
 
 class ShardedState(Enum):
     """Which parameter storage a buffer holds; see ``FlatParamBuffer.nbytes`` for what each costs."""

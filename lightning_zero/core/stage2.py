@@ -9,32 +9,88 @@ states cost 4Ψ + 12Ψ/N bytes for fp32 Adam plus the staging buckets in flight.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 from torch import Tensor
 
 from lightning_zero.core.buckets import GradBucket
 from lightning_zero.core.comm import Communicator
-from lightning_zero.core.flat_buffer import FlatParamBuffer
+from lightning_zero.core.flat_buffer import FlatParamBuffer, ShardStorage
 
 
 class ShardGradBucket(GradBucket):
-    """A bucket that keeps only this rank's shard of the averaged gradient."""
+    """A bucket that keeps only this rank's shard of the averaged gradient.
+
+    With ``resting`` (stage 3 with ``offload_params`` and ``offload_optimizer`` both ``"nvme"``) the shard rests in
+    the swap file between uses, as the parameters and the optimizer state do: it is written, in its own dtype, as
+    soon as its reduction completes and read back when it is stepped on, so no gradient shard stays in memory after
+    backward. Where live gradients are added to (gradient accumulation) the reduction's result rests in a second
+    region until the end of backward folds it in (a pass that raises must leave the held gradients as they were).
+    See [Note: paged step gradients].
+    """
 
     staging: Tensor | None  # 1D, layout.padded_numel while the bucket is being filled or reduced
     _output: Tensor | None  # 1D, layout.shard_numel while the reduction is in flight
 
-    def __init__(self, buffer: FlatParamBuffer, comm: Communicator, reduce_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        buffer: FlatParamBuffer,
+        comm: Communicator,
+        reduce_dtype: torch.dtype | None = None,
+        resting: tuple[ShardStorage, ShardStorage] | None = None,
+    ) -> None:
         super().__init__(buffer, comm, reduce_dtype)
         self._shard_grad: Tensor | None = None  # created by the first reduction: evaluation never holds it
         self.staging = None
         self._output = None
+        self._in_place = False  # the reduction in flight writes the shard itself
+        self.resting = resting  # where the shard and an accumulating reduction's result rest (None: in memory)
+        self._on_disk = False  # the shard's values are in its region (and not in memory)
+        self._output_on_disk = False
+        self._reading: Future[Tensor] | None = None
+        self._clean = False  # the shard in memory was just read from its region and not changed since
 
     @property
     def shard_grad(self) -> Tensor:  # type: ignore[override]
         if self._shard_grad is None:
-            self._shard_grad = torch.zeros_like(self.buffer.shard)
+            if self._on_disk:
+                assert self.resting is not None
+                reading, self._reading = self._reading, None
+                self._shard_grad = reading.result() if reading else self.resting[0].get(*self._shape)
+                self._on_disk, self._clean = False, True
+            else:
+                self._shard_grad = torch.zeros(self._shape[1], dtype=self._shape[0], device=self.device)
         return self._shard_grad
+
+    @property
+    def _shape(self) -> tuple[torch.dtype, int]:
+        return self.buffer.data.dtype, self.buffer.layout.shard_numel
+
+    def settle(self, write: bool = True) -> None:
+        """``resting``: the shard goes to its region and leaves memory; a no-op otherwise. ``write=False``: the
+        caller did not change it, so a shard read from its region and not changed since is not written again."""
+        self._wait_reading()
+        if self.resting is None or self._shard_grad is None:
+            return
+        if write or not self._clean:
+            self.resting[0].put(self._shard_grad)
+        self._shard_grad, self._on_disk, self._clean = None, True, False
+
+    def _wait_reading(self) -> None:
+        """Let a read-ahead finish (its buffer is dropped): never leave a read writing into freed memory."""
+        if self._reading is not None:
+            self._reading.result()
+            self._reading = None
+
+    def read_ahead(self) -> None:
+        if self._on_disk and self._shard_grad is None and self._reading is None:
+            assert self.resting is not None
+            self._reading = self.resting[0].get_async(*self._shape)
+
+    def clear(self, slots: Sequence[int], set_to_none: bool) -> None:
+        super().clear(slots, set_to_none)
+        self._clean = self._clean and set_to_none
 
     def _begin_filling(self) -> None:
         """Nothing to prepare: the staging buffer is created with the first gradient."""
@@ -44,8 +100,8 @@ class ShardGradBucket(GradBucket):
 
     def _staging(self) -> Tensor:
         if self.staging is None:
-            shard = self.buffer.shard
-            self.staging = torch.zeros(self.buffer.layout.padded_numel, dtype=self.reduce_dtype, device=shard.device)
+            padded = self.buffer.layout.padded_numel
+            self.staging = torch.zeros(padded, dtype=self.reduce_dtype, device=self.device)
         return self.staging
 
     def _start_reduce(self) -> None:
@@ -53,40 +109,77 @@ class ShardGradBucket(GradBucket):
         # Divide before summing, as DDP does, so the result matches it and fp16 sums stay in range.
         staging.div_(self.comm.world_size)
         # When zero_grad emptied every piece (the usual case) the result may land in the shard directly.
-        in_place = self.reduce_dtype == self.buffer.shard.dtype and not any(self.live)
-        self._output = (
-            self.shard_grad
-            if in_place
-            else torch.empty(self.buffer.shard.numel(), dtype=self.reduce_dtype, device=staging.device)
-        )
+        self._in_place = self.reduce_dtype == self.buffer.data.dtype and not any(self.live)
+        if self._in_place:
+            if self._shard_grad is None and self._on_disk:  # every value is replaced: nothing to read from disk
+                self._wait_reading()
+                self._shard_grad = torch.empty(self._shape[1], dtype=self._shape[0], device=self.device)
+                self._on_disk = False
+            self._output = self.shard_grad
+            self._clean = False
+        else:
+            self._output = torch.empty(self._shape[1], dtype=self.reduce_dtype, device=self.device)
         self._work = self.comm.reduce_scatter(self._output, staging, async_op=True)
 
     def _release_staging(self) -> None:
         self.staging = None
+        if self.resting is None or self._output is None:
+            return
+        if self._in_place:
+            self.settle()
+        elif not any(self.live):  # every held value is replaced (see _fold_reduction): the result is the shard
+            self._replace_shard(self._output)
+            self._in_place = True
+        else:
+            self.resting[1].put(self._output)
+            self._output_on_disk = True
+        self._output = None
+
+    def _replace_shard(self, values: Tensor) -> None:
+        """``resting``: the shard becomes ``values`` in its own dtype and goes to its region (nothing is read)."""
+        self._wait_reading()
+        self._shard_grad, self._on_disk, self._clean = values.to(self._shape[0]), False, False
+        self.settle()
 
     def _fold_reduction(self, globally_used: Sequence[bool]) -> None:
         # See [Note: gradient liveness]: overwrite what zero_grad emptied, add to what is live.
-        assert self._output is not None
         live = self.live
-        if self._output is self.shard_grad:
-            pass  # nothing was live, so the reduction wrote the shard in place
-        elif all(globally_used) and all(live):
-            self.shard_grad.add_(self._output)
-        elif all(globally_used) and not any(live):
-            self.shard_grad.copy_(self._output)
-        else:
-            for slot, (used, was_live) in enumerate(zip(globally_used, live, strict=True)):
-                if used:
-                    view, part = self.buffer.owned(self.shard_grad, slot), self.buffer.owned(self._output, slot)
-                    view.add_(part) if was_live else view.copy_(part)
+        if not self._in_place:  # (in place: nothing was live, so the reduction wrote the shard itself)
+            output = self._take_output()
+            if all(globally_used) and all(live):
+                self.shard_grad.add_(output)
+            elif all(globally_used) and not any(live):
+                self.shard_grad.copy_(output)
+            else:
+                for slot, (used, was_live) in enumerate(zip(globally_used, live, strict=True)):
+                    if used:
+                        view, part = self.buffer.owned(self.shard_grad, slot), self.buffer.owned(output, slot)
+                        view.add_(part) if was_live else view.copy_(part)
+            self._clean = False
+            self.settle()
         self.live = [used or was_live for used, was_live in zip(globally_used, live, strict=True)]
-        self.staging, self._output = None, None
+        self._discard_pass()
+
+    def _take_output(self) -> Tensor:
+        if self._output_on_disk:
+            assert self.resting is not None
+            self._output_on_disk = False
+            return self.resting[1].get(self.reduce_dtype, self._shape[1])
+        assert self._output is not None
+        return self._output
 
     def _discard_pass(self) -> None:
         # A reduction written in place only replaced gradients that were not live; nothing else changed.
-        self.staging, self._output = None, None
+        self.staging, self._output, self._in_place, self._output_on_disk = None, None, False, False
 
     @property
     def nbytes(self) -> int:
-        held = [t for t in (self._shard_grad, self.staging) if t is not None]
-        return sum(t.numel() * t.element_size() for t in held)
+        held = [t for t in (self._shard_grad, self.staging, self._output) if t is not None]
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in held}.values())
+
+    @property
+    def offloaded_nbytes(self) -> int:
+        """The shard's region, and the accumulation region once used (``resting``)."""
+        if self.resting is None:
+            return 0
+        return sum(storage.nbytes for storage in self.resting)

@@ -31,6 +31,7 @@ from lightning_zero.core.comm import Communicator, wait_all
 from lightning_zero.core.loss_weight import LossWeights
 from lightning_zero.core.mixed_precision import DynamicLossScaler
 from lightning_zero.core.offload.disk import run_paged
+from lightning_zero.core.paged_grads import PagedStepGrads
 from lightning_zero.core.rest import engine_access
 from lightning_zero.core.store import ShardStore
 
@@ -109,7 +110,8 @@ class OptimizerStep:
         self._finite = True
         self._scale: float | None = None
         self._clipped = False
-        self._step_grads: list[Tensor | None] = []
+        self._step_grads: list[Tensor | None] = []  # per entry; None for paged stores (see self._paged)
+        self._paged = PagedStepGrads([], None)
         self._handles: list[RemovableHandle] = []
         self._paging = False
         self.set_entries(entries)
@@ -157,6 +159,7 @@ class OptimizerStep:
             if store.buffer.may_change_at_rest:  # parameters written in place since the last step
                 store.sync_from_params()
         self._step_grads = self._make_step_grads(scale)
+        self._paged = PagedStepGrads(self.entries, scale)  # see [Note: paged step gradients]
         self._scale, self._clipped, self._finite = scale, False, True
         self._weight_skipped = self.scaling.weight_skips  # a step over no tokens (see [Note: weighted loss])
         if self._weight_skipped:
@@ -166,6 +169,9 @@ class OptimizerStep:
             for grad in self._step_grads:
                 if grad is not None:
                     overflow |= ~torch.isfinite(grad).all()  # no host sync per tensor
+            for _, grads in self._paged.each():
+                for grad in grads:
+                    overflow |= ~torch.isfinite(grad).all()
             self.comm.all_reduce(overflow, op="max")
             self._finite = not overflow.item()
         self.state = StepState.PREPARED
@@ -175,7 +181,7 @@ class OptimizerStep:
         grads: list[Tensor | None] = [None] * len(self.entries)
         by_store: dict[int, list[int]] = {}
         for index, entry in enumerate(self.entries):
-            if entry.bucket.live[entry.slot]:
+            if entry.bucket.live[entry.slot] and not entry.store.paged:
                 by_store.setdefault(id(entry.store), []).append(index)
         for indices in by_store.values():
             store = self.entries[indices[0]].store
@@ -194,37 +200,48 @@ class OptimizerStep:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the step gradients by their global norm over all shards; returns the norm (collective)."""
         self.prepare()
-        grads = [g for g in self._step_grads if g is not None]
         device = self.device
         if math.isinf(norm_type):
-            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
+            terms = self._per_gradient(lambda g: g.abs().max())
+            local = torch.stack(terms).max() if terms else torch.zeros((), device=device)
             total = local.float().clone()
             self.comm.all_reduce(total, op="max")
         else:
-            total = sum(
-                (torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads),
-                torch.zeros((), device=device),
-            )
+            terms = self._per_gradient(lambda g: torch.linalg.vector_norm(g, norm_type).float() ** norm_type)
+            total = sum(terms, torch.zeros((), device=device))
             self.comm.all_reduce(total, op="sum")
             total = total ** (1.0 / norm_type)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s
-        self._clipped = True
-        for grad in grads:
-            grad.mul_(coefficient.to(grad.dtype))
+        self._transform(lambda grad: grad.mul_(coefficient.to(grad.dtype)))
         return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
         self.prepare()
+        self._transform(lambda grad: grad.clamp_(min=-clip_value, max=clip_value))
+
+    def _transform(self, fn: Callable[[Tensor], object]) -> None:
+        """Clip every step gradient in place: now where they are in memory, when made for paged stores."""
         self._clipped = True
         for grad in self._step_grads:
             if grad is not None:
-                grad.clamp_(min=-clip_value, max=clip_value)
+                fn(grad)
+        self._paged.transform(fn)
+
+    def _per_gradient(self, fn: Callable[[Tensor], Tensor]) -> list[Tensor]:
+        """``fn`` of every non-empty step gradient, in the order of the entries (paged stores streamed)."""
+        made: dict[int, Tensor] = {i: fn(g) for i, g in enumerate(self._step_grads) if g is not None and g.numel()}
+        for indices, grads in self._paged.each():
+            made.update((i, fn(g)) for i, g in zip(indices, grads, strict=True) if g.numel())
+        return [made[i] for i in sorted(made)]
 
     def gradients(self) -> list[Tensor]:
         """The gradients the optimizer would see now, of this rank's pieces: the step gradients once prepared (cast,
-        unscaled, clipped), else the held reduced ones."""
+        unscaled, clipped; copies for paged stores), else the held reduced ones."""
         if self.state is not StepState.IDLE:
-            return [grad for grad in self._step_grads if grad is not None]
+            made = {i: g for i, g in enumerate(self._step_grads) if g is not None}
+            for indices, grads in self._paged.each():
+                made.update((i, g.clone()) for i, g in zip(indices, grads, strict=True))
+            return [made[i] for i in sorted(made)]
         return [grad for entry in self.entries if (grad := entry.bucket.held(entry.slot)) is not None]
 
     def zero_grad(self, set_to_none: bool, only: set[int] | None = None) -> None:
@@ -250,16 +267,12 @@ class OptimizerStep:
                 entry.param.grad = None
                 entry.param.data = entry.store.step_view(entry.slot)
                 entry.param.grad = grad if finite and not entry.store.paged else None
-            if finite and any(store.paged for store in self._stores):
+            if finite and self._paged:
                 self._step_paged()
 
     def _step_paged(self) -> None:
         """Step the parameters of paged stores here, one store at a time (see [Note: paged optimizer steps]); the
         call of ``optimizer.step()`` that follows sees them without gradients and leaves them alone."""
-        work: dict[int, tuple[Any, list[tuple[nn.Parameter, int, Tensor]]]] = {}
-        for entry, grad in zip(self.entries, self._step_grads, strict=True):
-            if entry.store.paged and grad is not None:
-                work.setdefault(id(entry.store), (entry.store, []))[1].append((entry.param, entry.slot, grad))
         others = {id(p): p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None}
         params = {id(p): p for g in self.optimizer.param_groups for p in g["params"]}
         for key in others:
@@ -268,7 +281,7 @@ class OptimizerStep:
         try:
             run_paged(
                 self.optimizer,
-                list(work.values()),
+                self._paged.work(),
                 (lambda: raw(self.optimizer)) if raw is not None else self._reentrant_step,
                 self.comm,
                 self.device,
@@ -333,6 +346,7 @@ class OptimizerStep:
         self.on_step_end()
 
     def _release(self) -> None:
+        self._paged.finish()
         by_store: dict[int, list[int]] = {}
         for index, grad in enumerate(self._step_grads):
             if grad is not None:

@@ -93,6 +93,13 @@ def run_fp32(rank: int, world_size: int) -> dict[str, Any]:
                     results[f"{name}/stage{stage}/{mode}/resident_shards"] = sum(
                         b._shard is not None for b in engine.buffers
                     )
+                    report = engine.memory_report()
+                    results[f"{name}/stage{stage}/{mode}/gradients"] = {
+                        "resident_shards": sum(b._shard_grad is not None for b in engine.buckets),
+                        "report": report.gradients,
+                        "on_disk": sum(b.offloaded_nbytes for b in engine.buckets),
+                        "held": sum(b.buffer.layout.shard_numel * b.buffer.data.element_size() for b in engine.buckets),
+                    }
                 with engine.gathered():
                     results[f"{name}/stage{stage}/{mode}"] = relative_difference(reference, model)
                 states[mode] = _state(engine, model)
@@ -159,6 +166,22 @@ def test_stage3_shards_rest_on_disk_with_offload_params_nvme(fp32: tuple[int, li
             assert per_rank[f"{case}/stage3/{mode}/resident_shards"] == 0, (rank, mode)
 
 
+@pytest.mark.parametrize("case", [c for c in FP32_CASES if 3 in STAGES[c]])
+def test_stage3_gradients_rest_on_disk_with_everything_on_nvme(
+    fp32: tuple[int, list[dict[str, Any]]], case: str
+) -> None:
+    """With optimizer and parameters on NVMe the reduced gradient shards rest in the swap file too: after training
+    none is in memory and the report counts no gradient bytes; with the optimizer on the host they stay there."""
+    for rank, per_rank in enumerate(fp32[1]):
+        on_nvme = per_rank[f"{case}/stage3/nvme+nvmeparams/gradients"]
+        assert on_nvme["resident_shards"] == 0, (rank, on_nvme)
+        assert on_nvme["report"] == 0, (rank, on_nvme)
+        assert on_nvme["on_disk"] >= on_nvme["held"] > 0, (rank, on_nvme)
+        on_host = per_rank[f"{case}/stage3/cpu+nvmeparams/gradients"]
+        assert on_host["on_disk"] == 0, (rank, on_host)
+        assert on_host["report"] > 0, (rank, on_host)
+
+
 @pytest.mark.parametrize(("stage", "case"), [(s, c) for c in FP32_CASES for s in STAGES[c]])
 def test_fp32_offload_modes_equal_each_other_bit_for_bit(
     fp32: tuple[int, list[dict[str, Any]]], stage: int, case: str
@@ -181,17 +204,18 @@ def test_swap_file_bytes_equal_the_formula(fp32: tuple[int, list[dict[str, Any]]
         assert io["written"] == 4 * owned + 12 * owned * steps, (rank, io)
 
 
-def run_io(rank: int, world_size: int, stage: int) -> dict[str, int]:
-    """AdamW steps of a 0.5M-parameter model with NVMe offload; the swap file's counts and the process's
-    /proc/self/io around steps 2 and 3 (setup and the first step excluded: file-system metadata writes of a few
-    pages, and modules the first step imports, read from disk when the page cache is cold)."""
+def run_io(rank: int, world_size: int, stage: int, params: str | bool = False) -> dict[str, int]:
+    """AdamW steps of a 0.5M-parameter model with NVMe offload (and ``offload_params``); the swap file's counts and
+    the process's /proc/self/io around steps 2 and 3 (setup and the first step excluded: file-system metadata
+    writes of a few pages, and modules the first step imports, read from disk when the page cache is cold)."""
     from lightning_zero.core.engine import ZeroEngine
     from lightning_zero.core.options import EngineOptions
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    options = EngineOptions(stage=stage, offload_optimizer="nvme", nvme_path=tempfile.mkdtemp(prefix="lz-io-"))
+    directory = tempfile.mkdtemp(prefix="lz-io-")
+    options = EngineOptions(stage=stage, offload_optimizer="nvme", offload_params=params, nvme_path=directory)
     engine = ZeroEngine(model, [optimizer], options, Communicator())
     for step in range(3):
         if step == 1:
@@ -213,11 +237,19 @@ def run_io(rank: int, world_size: int, stage: int) -> dict[str, int]:
     }
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_proc_self_io_agrees_with_the_swap_file_counts(stage: int) -> None:
-    for rank, io in enumerate(run_on_ranks(run_io, 2, stage)):
-        assert io["read"] == 12 * io["owned"] * 2, (rank, io)
-        assert io["written"] == 12 * io["owned"] * 2, (rank, io)
+# Bytes per owned element per step, fp32 AdamW. Optimizer on NVMe: the master and both moments read and written
+# (12 each way). Everything on NVMe (ZeRO-Infinity, stage 3): also the gradient shard written after its reduction
+# and read for the step (4 each way), the parameter shard read for each of its unit's two gathers (forward,
+# backward: 8) and written after the step (4).
+IO_PER_STEP = {(1, False): (12, 12), (3, False): (12, 12), (3, "nvme"): (24, 20)}
+
+
+@pytest.mark.parametrize(("stage", "params"), list(IO_PER_STEP))
+def test_proc_self_io_agrees_with_the_swap_file_counts(stage: int, params: str | bool) -> None:
+    read, written = IO_PER_STEP[stage, params]
+    for rank, io in enumerate(run_on_ranks(run_io, 2, stage, params)):
+        assert io["read"] == read * io["owned"] * 2, (rank, io)
+        assert io["written"] == written * io["owned"] * 2, (rank, io)
         assert abs(io["proc_read"] - io["read_padded"]) <= 0.01 * io["read_padded"], (rank, io)
         assert abs(io["proc_written"] - io["written_padded"]) <= 0.01 * io["written_padded"], (rank, io)
 

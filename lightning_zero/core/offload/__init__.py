@@ -59,6 +59,20 @@ class Offload:
         return ShardOnDisk(self.swap) if self.params == "nvme" and self.swap is not None else None
 
     @property
+    def gradients_rest(self) -> bool:
+        """Stage-3 gradient shards rest in the swap file between backward and step: with the parameters and the
+        optimizer both on NVMe (ZeRO-Infinity), nothing that grows with the model stays in memory."""
+        return self.optimizer == "nvme" and self.params == "nvme" and self.swap is not None
+
+    def gradient_resting(self) -> tuple[ShardOnDisk, ShardOnDisk] | None:
+        """Where one stage-3 gradient shard rests, and the result of a reduction that adds to it (see
+        :class:`~lightning_zero.core.stage2.ShardGradBucket`); ``None`` unless :attr:`gradients_rest`."""
+        if not self.gradients_rest:
+            return None
+        assert self.swap is not None
+        return ShardOnDisk(self.swap), ShardOnDisk(self.swap)
+
+    @property
     def io(self) -> IOCounts:
         """Bytes the swap file read and wrote so far (zero without one)."""
         return self.swap.counts if self.swap is not None else IOCounts()

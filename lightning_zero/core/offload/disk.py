@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.flat_buffer import FlatParamBuffer
 from lightning_zero.core.offload.host import HOST, host_release_grads, host_step_grads
+from lightning_zero.core.paged_grads import PagedWork
 from lightning_zero.core.store import ShardStore
 
 PAGE = 4096  # O_DIRECT wants page-aligned buffers, offsets and lengths
@@ -416,17 +417,23 @@ class ShardOnDisk:
         """:meth:`get` on the swap file's worker threads (a read-ahead)."""
         return self.swap.pool.submit(self.get, dtype, numel)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the region (0 before the first :meth:`put`)."""
+        return self.region.nbytes if self.region is not None else 0
+
 
 def run_paged(
     optimizer: Optimizer,
-    work: Sequence[tuple[DiskStore, Sequence[tuple[nn.Parameter, int, Tensor]]]],
+    work: Sequence[PagedWork],
     raw_step: Callable[[], Any],
     comm: Communicator,
     device: torch.device,
 ) -> None:
     """Step ``optimizer`` over paged stores, one store at a time, reading ahead and writing behind. See [Note:
-    paged optimizer steps]. ``work`` holds each store with its ``(param, slot, step gradient)`` entries; every
-    parameter's ``grad`` must be ``None`` on entry (the others' too). Collective: ranks agree on I/O errors."""
+    paged optimizer steps]. ``work`` holds each store with its parameters and their step gradients (made in its
+    turn, see [Note: paged step gradients]); every parameter's ``grad`` must be ``None`` on entry (the others'
+    too). Collective: ranks agree on I/O errors."""
     failure: BaseException | None = None
     try:
         _pipeline(optimizer, work, raw_step)
@@ -440,33 +447,38 @@ def run_paged(
         raise SwapIOError("offload: another rank failed to read or write its swap file during the step (see its error)")
 
 
-def _pipeline(
-    optimizer: Optimizer,
-    work: Sequence[tuple[DiskStore, Sequence[tuple[nn.Parameter, int, Tensor]]]],
-    raw_step: Callable[[], Any],
-) -> None:
+def _pipeline(optimizer: Optimizer, work: Sequence[PagedWork], raw_step: Callable[[], Any]) -> None:
     if not work:
         return
-    swap = work[0][0].swap
+    swap = work[0].store.swap  # type: ignore[attr-defined]
     if swap.staged is not None:
         swap.staged.flush()
     reads: dict[int, Future[Paged]] = {}
     writes: dict[int, Future[None]] = {}
+
+    def read(index: int) -> None:
+        work[index].read_ahead()
+        reads[index] = swap.pool.submit(work[index].store.page_in, optimizer)  # type: ignore[attr-defined]
+
     try:
         for index in range(min(PIPELINE_DEPTH - 1, len(work))):
-            reads[index] = swap.pool.submit(work[index][0].page_in, optimizer)
-        for index, (store, entries) in enumerate(work):
+            read(index)
+        for index, item in enumerate(work):
+            store: DiskStore = item.store  # type: ignore[assignment]
             paged = reads.pop(index).result()
             ahead = index + PIPELINE_DEPTH - 1
             if ahead < len(work):
                 if index - 1 in writes:  # at most PIPELINE_DEPTH buffers in memory: the oldest is written first
                     writes.pop(index - 1).result()
-                reads[ahead] = swap.pool.submit(work[ahead][0].page_in, optimizer)
+                read(ahead)
+            grads = item.make_grads()
+            entries = [(param, slot, grad) for (param, slot), grad in zip(item.params, grads, strict=True)]
             store.bind(paged, optimizer, entries)
             try:
                 raw_step()
             finally:
                 store.unbind(paged, optimizer, entries)
+                item.drop_grads(grads)
             writes[index] = swap.pool.submit(store.page_out, paged)
         for future in writes.values():
             future.result()
