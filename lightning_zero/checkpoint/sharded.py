@@ -52,8 +52,10 @@ def save_sharded(
     token = comm.all_gather_object(uuid.uuid4().hex[:12] if comm.rank == 0 else None)[0]
     tmp = path.with_name(f"{path.name}.tmp-{token}")
     tmp.mkdir(parents=True, exist_ok=True)
-    rank_state = named.collect_rank_state(state, comm.rank, optimizers)
-    torch.save({"rank": comm.rank, "world_size": comm.world_size, **rank_state}, tmp / rank_file(comm.rank))
+    with state.saving():  # offloaded state streamed from the swap file, not copied into memory
+        rank_state = named.collect_rank_state(state, comm.rank, optimizers)
+        torch.save({"rank": comm.rank, "world_size": comm.world_size, **rank_state}, tmp / rank_file(comm.rank))
+        del rank_state
     if comm.rank == 0:
         metadata = build_metadata(
             version=version,

@@ -38,19 +38,41 @@ def _spec(shape: tuple[int, ...], dtype: torch.dtype, ranges: list[list[int]]) -
 
 
 def collect_rank_state(state: NamedState, rank: int, optimizers: bool = True) -> dict[str, Any]:
-    """This rank's owned ranges of every parameter and (with ``optimizers``) of its optimizer state, as new CPU
-    tensors (no views)."""
-    params = {t.name: t.owned().detach().cpu().clone() for t in state.tensors() if t.end > t.start}
+    """This rank's owned ranges of every parameter and (with ``optimizers``) of its optimizer state, as CPU tensors
+    to save (see :func:`for_saving`: no copy of a storage they cover, such as a host master or a stage-3 shard)."""
+    params = {t.name: t.owned() for t in state.tensors() if t.end > t.start}
     if rank == 0:
-        params.update({name: t.detach().cpu().reshape(-1).clone() for name, t in state.unmanaged().items()})
+        params.update({name: t.reshape(-1) for name, t in state.unmanaged().items()})
     optimizer_states = []
     for index in range(len(state.optimizer_param_names()) if optimizers else 0):
-        saved = {
-            name: {k: (v.detach().cpu().clone() if isinstance(v, Tensor) else v) for k, v in values.items()}
-            for name, values in state.optimizer_shard_state(index).items()
-        }
+        held = state.optimizer_shard_state(index)
+        tensors = {(name, k): v for name, values in held.items() for k, v in values.items() if isinstance(v, Tensor)}
+        kept = for_saving(tensors)
+        saved = {name: {k: kept.get((name, k), v) for k, v in values.items()} for name, values in held.items()}
         optimizer_states.append({"state": saved, "param_groups": state.optimizer_hyperparameters(index)})
-    return {"params": params, "optimizers": optimizer_states}
+    return {"params": for_saving(params), "optimizers": optimizer_states}
+
+
+# Bytes of a storage that its saved views may leave out and still be saved as views: a flat buffer's padding (at
+# most one element per rank) and the page rounding of a swap-file region.
+_SLACK = 8192
+
+
+def for_saving(tensors: dict[Any, Tensor]) -> dict[Any, Tensor]:
+    """``tensors`` on the CPU, ready for ``torch.save``, which writes each storage once, whole. Tensors that
+    together cover (nearly) all of their storage are kept as they are; any other is cloned, so that a view of a
+    larger buffer (a stage-1/2 parameter's piece of the full flat buffer) does not drag the buffer into the file."""
+    cpu = {key: tensor.detach().cpu() for key, tensor in tensors.items()}
+    covered: dict[int, int] = {}
+    for tensor in cpu.values():
+        key = tensor.untyped_storage().data_ptr()
+        covered[key] = covered.get(key, 0) + tensor.numel() * tensor.element_size()
+    kept = {}
+    for key, tensor in cpu.items():
+        storage = tensor.untyped_storage()
+        whole = storage.nbytes() - covered[storage.data_ptr()] <= _SLACK and tensor.is_contiguous()
+        kept[key] = tensor if whole else tensor.clone()
+    return kept
 
 
 def load_params(state: NamedState, read: Reader) -> None:

@@ -31,7 +31,7 @@ Plain DDP never reduces a parameter that was frozen when it wrapped the model.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import Tensor, nn
@@ -560,6 +560,14 @@ class ZeroEngine:
         if self.offload is not None:
             self.offload.close()
         self.units, self.scheduler = [], None
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around a checkpoint save: state that rests in the swap file is given as read-only maps of it, so the
+        save streams it instead of holding the rank's share in memory (see core/offload/disk.py)."""
+        swap = self.offload.swap if self.offload is not None else None
+        with swap.mapped_reads() if swap is not None else nullcontext():
+            yield
 
     # ------------------------------------------------------------------ reports
     def memory_report(self) -> MemoryReport:

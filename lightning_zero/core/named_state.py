@@ -11,6 +11,7 @@ ranges, plus the scalar state (``step``). Nothing here knows about files or Ligh
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -145,6 +146,10 @@ class NamedState:
         """Optimizer ``index``'s param groups without their parameters."""
         optimizer = self._engine.optimizers[index]
         return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+    def saving(self) -> AbstractContextManager[None]:
+        """Around a save: offloaded state is read for it without a copy in memory where it can be (read-only)."""
+        return self._engine.saving()
 
     def optimizer_shard_state(self, index: int) -> dict[str, dict[str, Any]]:
         """Optimizer ``index``'s state by parameter name: this rank's pieces of the element-wise state."""

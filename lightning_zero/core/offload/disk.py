@@ -15,10 +15,13 @@ across ranks (one all-reduce per step) and raised on every rank naming the file,
 from __future__ import annotations
 
 import errno as errno_names
+import mmap
 import os
 import threading
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +88,7 @@ class SwapFile:
         self._lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lightning-zero-swap")
         self.staged: DiskStore | None = None  # the one store whose master is held in memory while loading
+        self.map_reads = False  # reads for a save are read-only maps of the file (see mapped_reads)
 
     def allocate(self, nbytes: int) -> Region:
         region = Region(self.size, nbytes, _padded(nbytes))
@@ -110,6 +114,28 @@ class SwapFile:
             self.counts.read += region.nbytes
             self.counts.read_padded += region.padded
         return page
+
+    def map(self, region: Region, dtype: torch.dtype, numel: int) -> Tensor:
+        """A read-only tensor over ``numel`` elements of ``region``, mapped from the file: its pages are the page
+        cache's (file-backed, reclaimable), not the process's anonymous memory. Only ever read it."""
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        pages = mmap.mmap(self.fd, numel * dtype.itemsize, mmap.MAP_SHARED, mmap.PROT_READ, offset=region.offset)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "not writable": it is only read (torch.save)
+            return torch.frombuffer(pages, dtype=torch.uint8).view(dtype)  # keeps the map alive
+
+    @contextmanager
+    def mapped_reads(self) -> Iterator[None]:
+        """Inside, stores give their state and masters as maps of the file (:meth:`map`) instead of copies: a
+        checkpoint save then streams them from the file, without holding the rank's share in memory."""
+        if self.staged is not None:
+            self.staged.flush()
+        previous, self.map_reads = self.map_reads, True
+        try:
+            yield
+        finally:
+            self.map_reads = previous
 
     def _transfer(self, call: Callable[..., int], region: Region, page: Tensor, what: str) -> None:
         view = memoryview(page.numpy())[: region.padded]
@@ -312,13 +338,11 @@ class DiskStore(ShardStore):
         self.page_out(paged)
 
     def read_state(self, optimizer: Optimizer, params: Sequence[tuple[nn.Parameter, int]]) -> dict[int, dict]:
-        """The state of ``params`` with its element-wise tensors read from the file (copies), by ``id(param)``."""
+        """The state of ``params`` with its element-wise tensors read from the file (copies; read-only maps of it
+        inside :meth:`SwapFile.mapped_reads`), by ``id(param)``."""
         prefix = _prefix(optimizer)
-        pages = {
-            name: _typed(self.swap.read(region), dtype, self.numel)
-            for name, (region, dtype) in self.regions.items()
-            if name.startswith(prefix)
-        }
+        pages = {name: self._read(name) for name in self.regions if name.startswith(prefix)}
+        mapped = self.swap.map_reads
         states: dict[int, dict] = {}
         for param, slot in params:
             state = optimizer.state.get(param)
@@ -327,7 +351,8 @@ class DiskStore(ShardStore):
             full = dict(state)
             for name, view in pages.items():
                 if slot in self.slots_with[name]:
-                    full[name.removeprefix(prefix)] = self.buffer.owned(view, slot).clone()
+                    piece = self.buffer.owned(view, slot)
+                    full[name.removeprefix(prefix)] = piece if mapped else piece.clone()
             states[id(param)] = full
         return states
 
@@ -346,9 +371,18 @@ class DiskStore(ShardStore):
     def best(self) -> Tensor:
         if self._staged is not None:
             return self._staged
+        if self.swap.map_reads and not (self.buffer.may_change_at_rest or self._sync_pending):
+            return self._read("master")  # nothing written at rest to apply: the file holds the values
         master = _typed(self.swap.read(self.regions["master"][0]), self.master_dtype, self.numel)
         self._apply_writes_at_rest(master)
         return master
+
+    def _read(self, name: str) -> Tensor:
+        """Region ``name``'s values: a copy, or a read-only map inside :meth:`SwapFile.mapped_reads`."""
+        region, dtype = self.regions[name]
+        if self.swap.map_reads:
+            return self.swap.map(region, dtype, self.numel)
+        return _typed(self.swap.read(region), dtype, self.numel)
 
     def step_grads(self, slots: Sequence[int], held: Sequence[Tensor], scale: float | None) -> list[Tensor]:
         return host_step_grads(self.buffer, self.master_dtype, slots, held, scale)
