@@ -42,6 +42,7 @@ from lightning_zero.core import named_state
 from lightning_zero.core.buckets import BucketState, GradBucket, GradReducer
 from lightning_zero.core.changes import ChangeWatch
 from lightning_zero.core.comm import CommStats, Communicator
+from lightning_zero.core.elementwise import check_elementwise
 from lightning_zero.core.flat_buffer import FlatParamBuffer
 from lightning_zero.core.groups import Topology
 from lightning_zero.core.loss_weight import LossWeights
@@ -151,6 +152,7 @@ class ZeroEngine:
     # ------------------------------------------------------------------ setup
     def _check_optimizers(self) -> None:
         for index, optimizer in enumerate(self.optimizers):
+            check_elementwise(optimizer, index)  # flat pieces: see [Note: the element-wise probe]
             for group_index, group in enumerate(optimizer.param_groups):
                 for param in group["params"]:
                     if param not in self.names:
