@@ -13,6 +13,7 @@ from typing import Any
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 LIGHTNING_FILE = "lightning.pt"
+COMPLETE_FILE = "COMPLETE"  # in a save's directory once every rank's file is written (see sharded.py)
 
 
 def rank_file(rank: int) -> str:

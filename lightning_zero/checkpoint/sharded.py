@@ -6,15 +6,25 @@ Layout of ``path/`` (see docs/checkpoints.md)::
     lightning.pt    rank 0: the caller's extra state (Lightning's loops, callbacks, schedulers, ...)
     rank_{r}.pt     rank r: the elements it owns of every tensor and of the optimizer state
 
-Every rank writes into ``path.tmp-<id>``; after a barrier rank 0 moves an old ``path`` aside, renames the new
-directory to ``path`` and deletes the old one. A crash before the rename leaves the old checkpoint in place.
+[Note: committing a sharded save]
+Every rank writes (and fsyncs) its file into ``path.tmp-<id>``; rank 0 adds metadata.json last. The ranks then
+agree that every file was written (an all-gather of each rank's error, which is also the barrier): if any rank
+failed, the new directory is removed and every rank raises a ``CheckpointError`` naming the ranks and their errors,
+within seconds, and ``path`` is unchanged. Otherwise rank 0 marks the directory complete, moves an old ``path``
+aside, renames the new directory to ``path``, deletes the old one and any leftovers of earlier interrupted saves,
+and the ranks agree once more on that. A crash at any moment leaves a loadable checkpoint: before the rename, the
+old ``path``; between moving it aside and the rename, both copies, and loading ``path`` finds the newest complete
+one (:func:`committed_path`) and says so.
 """
 
 from __future__ import annotations
 
+import glob
 import math
+import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +33,9 @@ from torch import Tensor
 
 from lightning_zero.checkpoint import state as named
 from lightning_zero.checkpoint.metadata import (
+    COMPLETE_FILE,
     LIGHTNING_FILE,
+    METADATA_FILE,
     CheckpointError,
     build_metadata,
     check_same_model,
@@ -46,38 +58,75 @@ def save_sharded(
     partition: str = "flat",
 ) -> None:
     """Write an engine's shards (optimizer state too with ``optimizers``) and rank 0's ``extra`` to the directory
-    ``path`` (collective)."""
+    ``path`` (collective). All or nothing, on every rank: see [Note: committing a sharded save]."""
     comm = state.comm
     path = Path(path)
     token = comm.all_gather_object(uuid.uuid4().hex[:12] if comm.rank == 0 else None)[0]
     tmp = path.with_name(f"{path.name}.tmp-{token}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    with state.saving():  # offloaded state streamed from the swap file, not copied into memory
-        rank_state = named.collect_rank_state(state, comm.rank, optimizers)
-        torch.save({"rank": comm.rank, "world_size": comm.world_size, **rank_state}, tmp / rank_file(comm.rank))
-        del rank_state
+    failure = None
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        with state.saving():  # offloaded state streamed from the swap file, not copied into memory
+            rank_state = named.collect_rank_state(state, comm.rank, optimizers)
+            _write(tmp / rank_file(comm.rank), {"rank": comm.rank, "world_size": comm.world_size, **rank_state})
+            del rank_state
+        if comm.rank == 0:
+            metadata = build_metadata(
+                version=version,
+                world_size=comm.world_size,
+                stage=state.stage,
+                partition=partition,
+                precision=precision,
+                tensors=named.tensor_specs(state),
+                state_dict_keys=state.state_dict_keys(),
+                optimizers=state.optimizer_param_names() if optimizers else [],
+                optimizer_states=optimizers,
+            )
+            _write(tmp / LIGHTNING_FILE, extra)
+            write_metadata(tmp, metadata)  # last: a directory without it is never taken for a checkpoint
+            _sync(tmp / METADATA_FILE)
+    except Exception as error:  # agreed below, then raised on every rank
+        failure = f"{type(error).__name__}: {error}"
+    _agree(comm, failure, f"writing the sharded checkpoint '{path}'", path, tmp if comm.rank == 0 else None)
+    failure = None
     if comm.rank == 0:
-        metadata = build_metadata(
-            version=version,
-            world_size=comm.world_size,
-            stage=state.stage,
-            partition=partition,
-            precision=precision,
-            tensors=named.tensor_specs(state),
-            state_dict_keys=state.state_dict_keys(),
-            optimizers=state.optimizer_param_names() if optimizers else [],
-            optimizer_states=optimizers,
-        )
-        torch.save(extra, tmp / LIGHTNING_FILE)
-        write_metadata(tmp, metadata)  # last: a directory without it is never taken for a checkpoint
-    _barrier(comm)
-    if comm.rank == 0:
-        _commit(tmp, path, token)
-    _barrier(comm)
+        try:
+            (tmp / COMPLETE_FILE).touch()  # every rank's shard is on disk: this directory is a checkpoint
+            _sync(tmp)
+            _commit(tmp, path, token)
+            (path / COMPLETE_FILE).unlink()  # only a directory not renamed yet needs to say it is complete
+            _remove_leftovers(path)
+        except Exception as error:
+            failure = f"{type(error).__name__}: {error}"
+    _agree(comm, failure, f"committing the sharded checkpoint '{path}' (renaming '{tmp.name}')", path, None)
 
 
-def _barrier(comm: Communicator) -> None:
-    comm.all_gather_object(None)
+def _write(file: Path, obj: Any) -> None:
+    """``torch.save`` ``obj`` to ``file`` and flush it to the disk."""
+    torch.save(obj, file)
+    _sync(file)
+
+
+def _agree(comm: Communicator, failure: str | None, what: str, path: Path, remove: Path | None) -> None:
+    """Every rank learns whether any rank failed at ``what`` (the agreement is the save's barrier too); on a
+    failure every rank raises, naming the ranks and their errors, after ``remove`` is deleted."""
+    failures = {rank: error for rank, error in enumerate(comm.all_gather_object(failure)) if error}
+    if not failures:
+        return
+    if remove is not None:
+        shutil.rmtree(remove, ignore_errors=True)
+    listed = "; ".join(f"rank {rank}: {error}" for rank, error in sorted(failures.items()))
+    kept = "is unchanged" if path.is_dir() else "does not exist (nothing was saved there before)"
+    raise CheckpointError(f"{what} failed on {len(failures)} of {comm.world_size} ranks ({listed}). '{path}' {kept}.")
+
+
+def _sync(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _commit(tmp: Path, path: Path, token: str) -> None:
@@ -87,8 +136,37 @@ def _commit(tmp: Path, path: Path, token: str) -> None:
     elif path.exists():
         path.unlink()
     tmp.rename(path)
+    _sync(path.parent)
     if old.exists():
         shutil.rmtree(old)
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Directories that interrupted saves to ``path`` left behind (``.tmp-*``, ``.old-*``): ``path`` is newer."""
+    for kind in ("tmp", "old"):
+        for leftover in path.parent.glob(f"{glob.escape(path.name)}.{kind}-*"):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def committed_path(path: str | Path) -> Path:
+    """``path``, or, where a save to it was interrupted between moving the previous checkpoint aside and renaming
+    the new one into place, the newest complete copy it left (with a warning that says so)."""
+    path = Path(path)
+    if path.exists():
+        return path
+    complete = [p for p in path.parent.glob(f"{glob.escape(path.name)}.tmp-*") if (p / COMPLETE_FILE).is_file()]
+    previous = [p for p in path.parent.glob(f"{glob.escape(path.name)}.old-*") if (p / METADATA_FILE).is_file()]
+    for candidates, what in ((complete, "the new checkpoint, complete on every rank"), (previous, "the previous one")):
+        if candidates:
+            found = max(candidates, key=lambda p: p.stat().st_mtime)
+            warnings.warn(
+                f"'{path}' does not exist: a save to it was interrupted while committing. Loading '{found}', {what}; "
+                f"rename it to '{path.name}' to keep it.",
+                stacklevel=3,
+            )
+            return found
+    return path
 
 
 def remove_sharded(path: str | Path) -> None:
@@ -99,7 +177,7 @@ class ShardedCheckpoint:
     """A sharded checkpoint opened for reading: metadata checked, rank files opened lazily with ``mmap``."""
 
     def __init__(self, path: str | Path, check_all_files: bool = True) -> None:
-        self.path = Path(path)
+        self.path = committed_path(path)
         self.where = f"checkpoint '{self.path}'"
         self.metadata = read_metadata(self.path)
         self.tensors: dict[str, dict[str, Any]] = self.metadata["tensors"]
