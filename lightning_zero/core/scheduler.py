@@ -66,6 +66,8 @@ class Stage3Scheduler:
         self._order: list[GatherUnit] = []  # forward gather order of the last complete pass (prefetch)
         self._seen: list[GatherUnit] = []  # this pass's forward gather order so far
         self._forward_cursor = 0
+        self._grad_hooks: dict[int, Any] = {}  # handles of the gradient hooks on units' outputs and inputs
+        self._spent_hooks: list[Any] = []  # those that fired (see _grad_hook)
         self.register_hooks()
 
     @property
@@ -102,6 +104,7 @@ class Stage3Scheduler:
         self.abandon_backward()
         self._recorded = []
         self._clear_plan()
+        self._remove_grad_hooks(spent_only=False)  # forwards of earlier iterations get no backward any more
         self._seen, self._forward_cursor = [], 0
         for unit in self.units:
             unit.reshard()
@@ -166,7 +169,7 @@ class Stage3Scheduler:
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
                 if tensors:
-                    register_multi_grad_hook(tensors, lambda grads: self._need(unit), mode="any")
+                    self._grad_hook(tensors, lambda: self._need(unit), mode="any")
                     if not recomputing and not unit.is_root:
                         self._recorded.append(unit)
                         self._hook_inputs(unit, args)
@@ -182,8 +185,29 @@ class Stage3Scheduler:
         # Leaves are left out: torch.autograd.grad cannot tell whether it reaches them (a saliency map).
         inputs = [t for t in tree_leaves(args) if isinstance(t, Tensor) and t.requires_grad and t.grad_fn is not None]
         if inputs:
-            register_multi_grad_hook(inputs, lambda grads: self._inputs_done(unit), mode="all")
+            self._grad_hook(inputs, lambda: self._inputs_done(unit), mode="all")
             self._input_hooks[unit] += 1
+
+    def _grad_hook(self, tensors: list[Tensor], fn: Callable[[], None], mode: str) -> None:
+        """Call ``fn`` when the gradients of ``tensors`` arrive (``mode`` as ``register_multi_grad_hook``'s). A hook
+        that fired is removed after the backward (not inside it: autograd is iterating over it), one that never
+        fired at the next iteration: torch's "all" hook holds the autograd nodes it is registered on, a cycle
+        through C++ nodes that Python's collector does not free, which kept each step's graph nodes and hooks
+        alive (resident memory grew every step, faster the more units)."""
+        handles: list[Any] = []
+
+        def fire(grads: Any) -> None:
+            fn()
+            self._spent_hooks.extend(handles)
+
+        handles.append(register_multi_grad_hook(tensors, fire, mode=mode))
+        self._grad_hooks[id(handles[0])] = handles[0]
+
+    def _remove_grad_hooks(self, spent_only: bool) -> None:
+        for handle in self._spent_hooks if spent_only else list(self._grad_hooks.values()):
+            handle.remove()
+            self._grad_hooks.pop(id(handle), None)
+        self._spent_hooks = []
 
     def _inputs_done(self, unit: GatherUnit) -> None:
         self._input_hooks[unit] = max(0, self._input_hooks[unit] - 1)
@@ -280,6 +304,7 @@ class Stage3Scheduler:
         records a new plan."""
         self._running_task = None
         self._clear_plan()
+        self._remove_grad_hooks(spent_only=True)
         for unit in self.units if not self._root_held else self.units[:-1]:
             unit.reshard()
         if self._seen:
