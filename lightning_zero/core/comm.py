@@ -9,12 +9,16 @@ stages 1 and 2 also 2Ψ, and stage 3 3Ψ, as in the ZeRO paper (section 7).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_zero.core.lost_rank import guarded
 
 # torch 2.10+ renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -56,6 +60,7 @@ class Communicator:
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
+        self.global_rank = dist.get_rank()  # names this process in errors
         self.world_size = dist.get_world_size(group)
         self.stats = CommStats()
         # gloo implements the single-tensor reduce-scatter as a copy plus a full all-reduce (measured 1.8x
@@ -70,35 +75,50 @@ class Communicator:
         gathers and gradient reductions) each need their own group. See core/groups.py."""
         if self._companion is None:
             ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
-            self._companion = Communicator(dist.new_group(ranks))
+            # With the parent's timeout: new_group's default (30 minutes) would let a hung rank stall the gathers.
+            self._companion = Communicator(dist.new_group(ranks, timeout=_timeout_of(self.group)))
         return self._companion
 
     def reduce_scatter(self, output: Tensor, input: Tensor, async_op: bool = False) -> Work | None:
         """Sum ``input`` over ranks; this rank receives its ``1/world_size`` part in ``output``."""
         self.stats.add("reduce_scatter", input.numel() * input.element_size())
+        what = self._what("reduce-scatter", input)
         if self._list_reduce_scatter:
             chunks = list(input.chunk(self.world_size))
-            return dist.reduce_scatter(output, chunks, group=self.group, async_op=async_op)
-        return _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
+            return self._guarded(what, dist.reduce_scatter, output, chunks, group=self.group, async_op=async_op)
+        return self._guarded(what, _reduce_scatter_single, output, input, group=self.group, async_op=async_op)
 
     def all_gather(self, output: Tensor, input: Tensor, async_op: bool = False) -> Work | None:
         """Concatenate every rank's ``input`` into ``output`` (``input`` may be this rank's part of it)."""
         self.stats.add("all_gather", output.numel() * output.element_size())
-        return _all_gather_single(output, input, group=self.group, async_op=async_op)
+        what = self._what("all-gather", output)
+        return self._guarded(what, _all_gather_single, output, input, group=self.group, async_op=async_op)
 
     def all_reduce(self, tensor: Tensor, op: str = "sum") -> None:
         self.stats.add("all_reduce", 2 * tensor.numel() * tensor.element_size())
-        dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group)
+        what = self._what("all-reduce", tensor)
+        self._guarded(what, dist.all_reduce, tensor, op=_REDUCE_OPS[op], group=self.group)
 
     def broadcast(self, tensor: Tensor, src: int = 0) -> None:
         """Overwrite ``tensor`` with rank ``src``'s (``src`` is a rank of this group)."""
         self.stats.add("broadcast", tensor.numel() * tensor.element_size())
-        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+        source = dist.get_global_rank(self.group, src) if self.group else src
+        self._guarded(self._what("broadcast", tensor), dist.broadcast, tensor, src=source, group=self.group)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self.group)
+        what = "an all-gather of Python objects (an agreement between ranks)"
+        self._guarded(what, dist.all_gather_object, gathered, obj, group=self.group)
         return gathered
+
+    def _guarded(self, what: str, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``collective(*args, **kwargs)``, a lost or hung rank named as such (see [Note: lost and hung ranks])."""
+        return guarded(what, self.global_rank, lambda: collective(*args, **kwargs))
+
+    def _what(self, op: str, tensor: Tensor) -> str:
+        article = "an" if op[0] in "aeiou" else "a"
+        nbytes = tensor.numel() * tensor.element_size()
+        return f"{article} {op} of {nbytes} bytes ({tensor.dtype}) over {self.world_size} ranks"
 
     def agree(self, what: str, entries: Sequence[tuple[str, Any]], fix: str) -> None:
         """Raise the same ``RuntimeError`` on every rank unless all ranks pass equal ``entries``.
@@ -118,6 +138,16 @@ class Communicator:
                         f"has {other.get(name, '<missing>')}. {fix}"
                     )
             raise RuntimeError(f"ranks disagree on {what}: rank 0 and rank {rank} list them in another order. {fix}")
+
+
+def _timeout_of(group: dist.ProcessGroup | None) -> timedelta | None:
+    """The collective timeout ``group`` was created with (``None`` where the backend does not say)."""
+    process_group = group or dist.group.WORLD
+    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    try:
+        return process_group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
