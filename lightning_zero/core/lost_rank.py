@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch.distributed as dist
-
 T = TypeVar("T")
 
 # Words of the backends' errors when a peer's process is gone (gloo's TCP transport, NCCL's abort).
@@ -58,7 +56,7 @@ def guarded(what: str, rank: int, call: Callable[[], T]) -> T:
         if translated is error:
             raise
         raise translated from error
-    if isinstance(result, dist.Work):
+    if result is not None and hasattr(result, "wait"):  # an asynchronous collective's work
         return GuardedWork(result, what, rank)  # type: ignore[return-value]
     return result
 
@@ -66,7 +64,7 @@ def guarded(what: str, rank: int, call: Callable[[], T]) -> T:
 class GuardedWork:
     """An asynchronous collective whose ``wait()`` translates backend failures."""
 
-    def __init__(self, work: dist.Work, what: str, rank: int) -> None:
+    def __init__(self, work: Any, what: str, rank: int) -> None:
         self.work, self.what, self.rank = work, what, rank
 
     def wait(self, *args: Any) -> bool:
