@@ -7,6 +7,7 @@ sees the options that are the glue's alone (``state_dict_type``, ``timeout``, ..
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -71,6 +72,11 @@ class ZeroConfig:
             raise ValueError(f"shard_size must be a positive int or None, got {self.shard_size!r}.")
         if not isinstance(self.timeout, timedelta):
             raise ValueError(f"timeout must be a datetime.timedelta, got {self.timeout!r}.")
+        if self.timeout <= timedelta(0):
+            raise ValueError(
+                f"timeout must be positive, got {self.timeout!r}: every collective would fail at once. The default "
+                "is timedelta(minutes=30)."
+            )
         for name in ("wrap_policy", "activation_checkpointing"):
             object.__setattr__(self, name, _resolve_policy(name, getattr(self, name)))
         self._check_built()
@@ -86,6 +92,8 @@ class ZeroConfig:
                 f"offload_params={self.offload_params!r} needs offload_optimizer='cpu' or 'nvme': the optimizer steps "
                 "the shards where they rest. Pass offload_optimizer='cpu' too (as \"zero_3_offload\" does)."
             )
+        if self.nvme_path is not None and not isinstance(self.nvme_path, str | os.PathLike):
+            raise ValueError(f"nvme_path must be a directory path (a str), got {self.nvme_path!r}.")
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
             raise ValueError(
                 "offload to 'nvme' needs nvme_path, got nvme_path=None. Pass nvme_path='/path/to/fast/disk'."
