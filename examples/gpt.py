@@ -28,6 +28,11 @@ SLURM (one task per GPU; Lightning reads the SLURM environment)::
         python examples/gpt.py fit --config examples/configs/zero3.yaml \\
         --trainer.accelerator=gpu --trainer.devices=8 --trainer.num_nodes=2
 
+Muon for the hidden matrices and AdamW for the rest (two optimizers, manual optimization), with each tensor owned
+whole by one rank (``ZeroStrategy(partition="parameter")``, docs/optimizers.md)::
+
+    python examples/gpt.py fit --config examples/configs/muon.yaml
+
 Any config value can be overridden on the command line, e.g. ``--model.n_layer=8 --trainer.max_steps=500``.
 """
 
@@ -212,12 +217,19 @@ class GPTLightningModule(LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 10,
         variable_length: bool = False,
+        optimizer: str = "adamw",
+        muon_lr: float = 0.02,
     ) -> None:
         """``variable_length``: each training sequence keeps a random number of real tokens (the rest padded,
         labelled -100), and the loss is the global mean over tokens: needs ``ZeroStrategy(weighted_loss=True)``
-        (examples/configs/variable_length.yaml)."""
+        (examples/configs/variable_length.yaml). ``optimizer="muon"``: ``torch.optim.Muon`` (at ``muon_lr``) for
+        the blocks' matrices, AdamW for embeddings, biases and norms; needs ``ZeroStrategy(partition="parameter")``
+        (examples/configs/muon.yaml)."""
         super().__init__()
+        if optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer={optimizer!r}: choose 'adamw' or 'muon'.")
         self.save_hyperparameters()
+        self.automatic_optimization = optimizer == "adamw"  # two optimizers step in training_step
         self.config = GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
         self.model: GPT | None = None
         self.train_ppl = Perplexity(ignore_index=IGNORE)
@@ -241,6 +253,8 @@ class GPTLightningModule(LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | dict[str, Tensor]:
         if self.hparams.get("variable_length"):
             return self._variable_length_step(batch)
+        if not self.automatic_optimization:
+            return self._two_optimizer_step(batch)
         loss = self._shared_step(batch, self.train_ppl)
         self.log("train_loss", loss, prog_bar=True)
         self.log("train_ppl", self.train_ppl)
@@ -260,6 +274,22 @@ class GPTLightningModule(LightningModule):
         self.log("train_ppl", self.train_ppl)
         return {"loss": loss_sum, "loss_weight": tokens}
 
+    def _two_optimizer_step(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        """Muon and AdamW on one backward (Lightning's manual optimization: it steps neither by itself)."""
+        optimizers = self.optimizers()
+        loss = self._shared_step(batch, self.train_ppl)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        self.manual_backward(loss)
+        for optimizer in optimizers:
+            self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+            optimizer.step()
+        for scheduler in self.lr_schedulers():
+            scheduler.step()
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_ppl", self.train_ppl)
+        return loss
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         mean = getattr(self.trainer.strategy, "global_mean_loss", None)
         if self.hparams.get("variable_length") and mean is not None:
@@ -277,16 +307,30 @@ class GPTLightningModule(LightningModule):
         decay = [p for p in params.values() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in params.values() if p.requires_grad and p.dim() < 2]
         hp = self.hparams
+        total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1000
+        total = int(total) if math.isfinite(total) else 1000
+        lr_lambda = partial(_warmup_cosine, warmup=max(1, hp.warmup_steps), total=total)
+        if hp.get("optimizer", "adamw") == "muon":
+            return self._muon_and_adamw(params, lr_lambda)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=hp.lr,
             betas=tuple(hp.betas),
         )
-        total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1000
-        total = int(total) if math.isfinite(total) else 1000
-        lr_lambda = partial(_warmup_cosine, warmup=max(1, hp.warmup_steps), total=total)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _muon_and_adamw(self, params: dict[str, nn.Parameter], lr_lambda: Any) -> Any:
+        """Muon orthogonalises the update of each hidden matrix (whole: each rank owns whole tensors), AdamW the
+        embeddings (the tied output head among them), biases and norms, as Muon's authors recommend."""
+        hp = self.hparams
+        hidden = [p for n, p in params.items() if p.requires_grad and p.dim() == 2 and ".blocks." in f".{n}"]
+        hidden_ids = {id(p) for p in hidden}
+        rest = [p for p in params.values() if p.requires_grad and id(p) not in hidden_ids]
+        muon = torch.optim.Muon(hidden, lr=hp.muon_lr, weight_decay=hp.weight_decay, adjust_lr_fn="match_rms_adamw")
+        adamw = torch.optim.AdamW(rest, lr=hp.lr, betas=tuple(hp.betas), weight_decay=0.0)
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in (muon, adamw)]
+        return [muon, adamw], [{"scheduler": s, "interval": "step"} for s in schedulers]
 
 
 # ----------------------------------------------------------------------------- data

@@ -26,7 +26,6 @@ BACKENDS = ("nccl", "gloo")
 # Options that the contract names and the core does not implement yet; each maps to the issue that
 # builds it, so the error can say so instead of silently ignoring the option.
 _NOT_YET_BUILT = {
-    "partition='parameter'": ("the whole-tensor owners issue", "Use partition='flat' for now."),
     "shard_size": ("the hybrid sharding issue", "Use shard_size=None for now."),
 }
 
@@ -101,7 +100,6 @@ class ZeroConfig:
 
     def _check_built(self) -> None:
         requested = {
-            "partition='parameter'": self.partition == "parameter",
             "shard_size": self.shard_size is not None,
         }
         for option, asked in requested.items():
@@ -126,6 +124,7 @@ class ZeroConfig:
             offload_optimizer=self.offload_optimizer,
             offload_params=self.offload_params,
             nvme_path=self.nvme_path,
+            partition=self.partition,
         )
 
     def describe(self) -> dict[str, Any]:

@@ -239,6 +239,16 @@ class ShardedCheckpoint:
             )
         return out
 
+    def read_whole(self, section: tuple[int, str], name: str) -> Tensor:
+        """Optimizer state saved whole by the rank that owned parameter ``name`` (see [Note: owner layout])."""
+        ranges = self.tensors[name]["ranges"]
+        if len(ranges) != 1:
+            raise CheckpointError(
+                f"{self.where}: optimizer state {section[1]!r} of {name!r} was saved whole, but the parameter has "
+                f"{len(ranges)} owners there. Restore the checkpoint or use another one."
+            )
+        return self._source(ranges[0][0], section, name)
+
     def _source(self, rank: int, section: Any, name: str) -> Tensor:
         data = self.rank_data(rank)
         try:
@@ -260,9 +270,10 @@ class ShardedCheckpoint:
                 ranges = self.tensors[name]["ranges"]
                 if not ranges:
                     continue
-                state = self.rank_data(ranges[0][0])["optimizers"][index]["state"].get(name)
+                saved = self.rank_data(ranges[0][0])["optimizers"][index]
+                state = saved["state"].get(name)
                 if state:
-                    scalars[name] = named.scalar_states({name: state})[name]
+                    scalars[name] = named.scalar_states({name: state}, saved.get("whole"))[name]
         return scalars
 
     def full_state_dict(self) -> dict[str, Tensor]:
@@ -292,5 +303,11 @@ def load_sharded_optimizers(state: NamedState, checkpoint: ShardedCheckpoint) ->
     check_same_optimizers(checkpoint.metadata, state.optimizer_param_names(), checkpoint.where)
     for index in range(len(state.optimizer_param_names())):
         named.load_optimizer(
-            state, index, checkpoint.param_groups(index), checkpoint.optimizer_scalars(index), checkpoint.read
+            state,
+            index,
+            checkpoint.param_groups(index),
+            checkpoint.optimizer_scalars(index),
+            checkpoint.read,
+            checkpoint.read_whole,
+            checkpoint.where,
         )

@@ -16,12 +16,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_zero.checkpoint.metadata import CheckpointError
 from lightning_zero.core.named_state import NamedState
 from lightning_zero.core.optim_state import is_scalar_state
 
 # read(section, name, start, end) -> 1D tensor of elements [start, end) of the flattened tensor ``name``;
 # ``section`` is "params" or (optimizer index, state key).
 Reader = Callable[[Any, str, int, int], Tensor]
+# read_whole((optimizer index, state key), name) -> optimizer state saved whole by the parameter's owner
+WholeReader = Callable[[tuple[int, str], str], Tensor]
 
 
 def tensor_specs(state: NamedState) -> dict[str, dict[str, Any]]:
@@ -49,7 +52,8 @@ def collect_rank_state(state: NamedState, rank: int, optimizers: bool = True) ->
         tensors = {(name, k): v for name, values in held.items() for k, v in values.items() if isinstance(v, Tensor)}
         kept = for_saving(tensors)
         saved = {name: {k: kept.get((name, k), v) for k, v in values.items()} for name, values in held.items()}
-        optimizer_states.append({"state": saved, "param_groups": state.optimizer_hyperparameters(index)})
+        hyper = state.optimizer_hyperparameters(index)
+        optimizer_states.append({"state": saved, "param_groups": hyper, "whole": state.whole_state_keys(index)})
     return {"params": for_saving(params), "optimizers": optimizer_states}
 
 
@@ -92,9 +96,12 @@ def load_optimizer(
     hyperparameters: list[dict[str, Any]],
     scalars: dict[str, dict[str, Any]],
     read: Reader,
+    read_whole: WholeReader | None = None,
+    where: str = "the checkpoint",
 ) -> None:
-    """Load optimizer ``index``: its param groups' ``hyperparameters``, ``scalars`` (per name: scalar state and
-    the element-wise keys under ``"__tensor_keys__"``) and element-wise state through ``read``."""
+    """Load optimizer ``index``: its param groups' ``hyperparameters``, ``scalars`` (per name: scalar state, the
+    element-wise keys under ``"__tensor_keys__"`` and those saved whole under ``"__whole_keys__"``), element-wise
+    state through ``read`` and whole state through ``read_whole``."""
     owned = {t.name: t for t in state.tensors()}
     in_optimizer = {name for group in state.optimizer_param_names()[index] for name in group}
     states: dict[str, dict[str, Any]] = {}
@@ -102,7 +109,17 @@ def load_optimizer(
         if name not in in_optimizer:
             continue
         tensor = owned.get(name)
+        if tensor is not None and tensor.whole and tensor.end == tensor.start:
+            continue  # another rank owns the parameter whole, and its state (see [Note: owner layout])
         loaded = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in values.items()}
+        for key in loaded.pop("__whole_keys__", []):
+            if tensor is None or not tensor.whole or read_whole is None:
+                raise CheckpointError(
+                    f"{where}: optimizer {index}'s state {key!r} of {name!r} is not element-wise (it was saved whole "
+                    "by the rank that owned the parameter, e.g. Adafactor's factors), so it cannot be split into "
+                    "flat pieces. Resume with ZeroStrategy(partition='parameter'), at any world size and stage."
+                )
+            loaded[key] = read_whole((index, key), name).to(tensor.state_device)
         for key in loaded.pop("__tensor_keys__"):
             if tensor is not None:
                 loaded[key] = read((index, key), name, tensor.start, tensor.end).to(tensor.state_device)
@@ -113,10 +130,17 @@ def load_optimizer(
     state.load_optimizer_shard_state(index, hyperparameters, states)
 
 
-def scalar_states(states: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per name, the scalar state plus the element-wise keys under ``"__tensor_keys__"`` (a rank file's summary)."""
+def scalar_states(
+    states: dict[str, dict[str, Any]], whole: dict[str, list[str]] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Per name, the scalar state plus the element-wise keys under ``"__tensor_keys__"`` and the keys saved whole
+    (``whole``) under ``"__whole_keys__"`` (a rank file's summary)."""
     out = {}
     for name, values in states.items():
+        kept_whole = (whole or {}).get(name, [])
         out[name] = {k: v for k, v in values.items() if is_scalar_state(v)}
-        out[name]["__tensor_keys__"] = sorted(k for k, v in values.items() if not is_scalar_state(v))
+        out[name]["__tensor_keys__"] = sorted(
+            k for k, v in values.items() if not is_scalar_state(v) and k not in kept_whole
+        )
+        out[name]["__whole_keys__"] = sorted(kept_whole)
     return out

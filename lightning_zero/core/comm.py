@@ -5,6 +5,14 @@
 all-gather or reduce-scatter of a Ψ-element fp32 buffer counts 4Ψ bytes, an all-reduce counts 8Ψ
 (it is a reduce-scatter plus an all-gather). In these units DDP moves 2Ψ elements a step, ZeRO
 stages 1 and 2 also 2Ψ, and stage 3 3Ψ, as in the ZeRO paper (section 7).
+
+[Note: uneven collectives]
+With ``partition="parameter"`` (see [Note: owner layout]) the ranks' parts of a buffer differ in size, and
+neither gloo nor torch's single-tensor collectives take uneven parts. An uneven all-gather is one broadcast
+from each rank with a non-empty part, into its place in the full buffer; an uneven reduce-scatter is one
+reduce to each such rank, of its part of the full buffer, in place (gloo may use the other ranks' copies as
+scratch, so the input is spent) and then copied into the output. Each rank sends and receives what the even
+collectives move, without padding; they are counted as the all-gather or reduce-scatter they replace.
 """
 
 from __future__ import annotations
@@ -79,19 +87,30 @@ class Communicator:
             self._companion = Communicator(dist.new_group(ranks, timeout=_timeout_of(self.group)))
         return self._companion
 
-    def reduce_scatter(self, output: Tensor, input: Tensor, async_op: bool = False) -> Work | None:
-        """Sum ``input`` over ranks; this rank receives its ``1/world_size`` part in ``output``."""
+    def reduce_scatter(
+        self, output: Tensor, input: Tensor, async_op: bool = False, sizes: Sequence[int] | None = None
+    ) -> Work | None:
+        """Sum ``input`` over ranks; this rank receives its ``1/world_size`` part in ``output`` (its ``sizes[rank]``
+        elements, after those of the lower ranks, with uneven ``sizes``: see [Note: uneven collectives]). ``input``
+        is spent (its other parts may be overwritten)."""
         self.stats.add("reduce_scatter", input.numel() * input.element_size())
         what = self._what("reduce-scatter", input)
+        if sizes is not None:
+            return self._uneven(what, "reduce", input, output, sizes, async_op)
         if self._list_reduce_scatter:
             chunks = list(input.chunk(self.world_size))
             return self._guarded(what, dist.reduce_scatter, output, chunks, group=self.group, async_op=async_op)
         return self._guarded(what, _reduce_scatter_single, output, input, group=self.group, async_op=async_op)
 
-    def all_gather(self, output: Tensor, input: Tensor, async_op: bool = False) -> Work | None:
-        """Concatenate every rank's ``input`` into ``output`` (``input`` may be this rank's part of it)."""
+    def all_gather(
+        self, output: Tensor, input: Tensor, async_op: bool = False, sizes: Sequence[int] | None = None
+    ) -> Work | None:
+        """Concatenate every rank's ``input`` into ``output`` (``input`` may be this rank's part of it); with
+        ``sizes``, rank ``r``'s input has ``sizes[r]`` elements (see [Note: uneven collectives])."""
         self.stats.add("all_gather", output.numel() * output.element_size())
         what = self._what("all-gather", output)
+        if sizes is not None:
+            return self._uneven(what, "broadcast", output, input, sizes, async_op)
         return self._guarded(what, _all_gather_single, output, input, group=self.group, async_op=async_op)
 
     def all_reduce(self, tensor: Tensor, op: str = "sum") -> None:
@@ -110,6 +129,34 @@ class Communicator:
         what = "an all-gather of Python objects (an agreement between ranks)"
         self._guarded(what, dist.all_gather_object, gathered, obj, group=self.group)
         return gathered
+
+    def _uneven(
+        self, what: str, op: str, full: Tensor, part: Tensor, sizes: Sequence[int], async_op: bool
+    ) -> Work | None:
+        """An uneven all-gather (``op="broadcast"``) or reduce-scatter (``op="reduce"``) of the 1-D ``full`` as one
+        broadcast from, or reduce to, each rank with a non-empty part. See [Note: uneven collectives]."""
+        if len(sizes) != self.world_size or sum(sizes) != full.numel():
+            raise ValueError(f"uneven sizes {list(sizes)} do not split {full.numel()} elements over {self.world_size}")
+        offsets = [sum(sizes[:rank]) for rank in range(self.world_size)]
+        mine = full[offsets[self.rank] : offsets[self.rank] + sizes[self.rank]]
+        if op == "broadcast" and part.data_ptr() != mine.data_ptr():
+            mine.copy_(part)
+        works = []
+        for rank, (offset, size) in enumerate(zip(offsets, sizes, strict=True)):
+            if size == 0:
+                continue
+            region = full[offset : offset + size]
+            peer = dist.get_global_rank(self.group, rank) if self.group else rank
+            if op == "broadcast":
+                works.append(self._guarded(what, dist.broadcast, region, src=peer, group=self.group, async_op=True))
+            else:
+                works.append(self._guarded(what, dist.reduce, region, dst=peer, group=self.group, async_op=True))
+        copy_out = op == "reduce" and part.data_ptr() != mine.data_ptr()
+        work = UnevenWork(works, (lambda: part.copy_(mine)) if copy_out else None)
+        if async_op:
+            return work  # type: ignore[return-value]
+        work.wait()
+        return None
 
     def _guarded(self, what: str, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``collective(*args, **kwargs)``, a lost or hung rank named as such (see [Note: lost and hung ranks])."""
@@ -138,6 +185,25 @@ class Communicator:
                         f"has {other.get(name, '<missing>')}. {fix}"
                     )
             raise RuntimeError(f"ranks disagree on {what}: rank 0 and rank {rank} list them in another order. {fix}")
+
+
+class UnevenWork:
+    """The works of one uneven collective, waited for together; ``then`` runs once they completed."""
+
+    def __init__(self, works: Sequence[Any], then: Callable[[], object] | None = None) -> None:
+        self.works, self.then = list(works), then
+
+    def wait(self, *args: Any) -> bool:
+        for work in self.works:
+            work.wait(*args)
+        self.works = []
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
 
 def _timeout_of(group: dist.ProcessGroup | None) -> timedelta | None:

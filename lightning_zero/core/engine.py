@@ -53,6 +53,7 @@ from lightning_zero.core.offload import IOCounts, Offload, prefer_fused_kernels
 from lightning_zero.core.offload.checks import check_offload, offloaded_bytes_per_rank
 from lightning_zero.core.optim_state import shard_param_state
 from lightning_zero.core.options import EngineOptions
+from lightning_zero.core.owners import OwnerPlan
 from lightning_zero.core.packing import Packed, Packer
 from lightning_zero.core.rest import RestingParameter, clone_gathered_in_state_dicts, engine_access
 from lightning_zero.core.scheduler import Stage3Scheduler
@@ -128,7 +129,11 @@ class ZeroEngine:
             on_bucket_ready=self._on_bucket_ready if options.stage == 3 else None,
         )
         self.offload = self._build_offload()
-        self.packer = Packer(module, self.names, comm, self.device, self.policy, options.bucket_cap_bytes, self.offload)
+        self.owners = OwnerPlan(comm.world_size) if options.partition == "parameter" else None
+        self._assign_owners()
+        self.packer = Packer(
+            module, self.names, comm, self.device, self.policy, options.bucket_cap_bytes, self.offload, self.owners
+        )
         if options.stage == 3:
             self.units, packed = self.packer.units(options.wrap_policy, {id(p) for p in self._optimized()})
             self._unit_of = {id(b): unit for unit in self.units for b in unit.buffers}
@@ -138,8 +143,17 @@ class ZeroEngine:
             self._add_buffers(self.packer.replicated(self._optimized_trainable()))
         self.scheduler = Stage3Scheduler(self.units, self.topology.gather, options.overlap_comm) if self.units else None
         self.steps = [
-            OptimizerStep(optimizer, [], comm, self.device, self.scaling, self._take_step_comm, self.loss_weights.agree)
-            for optimizer in self.optimizers
+            OptimizerStep(
+                optimizer,
+                [],
+                comm,
+                self.device,
+                self.scaling,
+                self._take_step_comm,
+                self.loss_weights.agree,
+                label=f"optimizer {index} ({type(optimizer).__name__})",
+            )
+            for index, optimizer in enumerate(self.optimizers)
         ]
         self._bind_optimizers()
         install_module_zero_grad(module, self.steps)
@@ -152,7 +166,8 @@ class ZeroEngine:
     # ------------------------------------------------------------------ setup
     def _check_optimizers(self) -> None:
         for index, optimizer in enumerate(self.optimizers):
-            check_elementwise(optimizer, index)  # flat pieces: see [Note: the element-wise probe]
+            if self.options.partition == "flat":
+                check_elementwise(optimizer, index)  # flat pieces: see [Note: the element-wise probe]
             for group_index, group in enumerate(optimizer.param_groups):
                 for param in group["params"]:
                     if param not in self.names:
@@ -196,6 +211,16 @@ class ZeroEngine:
             if needs[target] or options.offload_optimizer == target:  # the same checks on every rank
                 check_offload(target, options.nvme_path, needs[target], self.comm)
         return Offload(options.offload_optimizer, options.offload_params, options.nvme_path, self.comm.rank)
+
+    def _assign_owners(self) -> None:
+        """``partition="parameter"``: owners for the trained tensors that have none yet, agreed by every rank
+        (collective). Stage 3 shards every trainable tensor, stages 1 and 2 those an optimizer trains."""
+        if self.owners is None:
+            return
+        optimized = {id(p) for p in self._optimized()}
+        trained = [p for p in self.names if p.requires_grad and (self.options.stage == 3 or id(p) in optimized)]
+        if self.owners.assign(trained):
+            self.owners.agree(self.comm, self.names)
 
     @staticmethod
     def broadcast_module_states(module: nn.Module, comm: Communicator) -> None:
@@ -263,6 +288,10 @@ class ZeroEngine:
     ) -> None:
         state = optimizer.state.get(param)
         shape = buffer.layout.slots[slot].shape
+        if buffer.layout.whole_tensors:  # the owner keeps its state whole, as it is; the others none
+            if state and buffer.owned_elsewhere(slot):
+                del optimizer.state[param]
+            return
         if state and any(isinstance(v, Tensor) and tuple(v.shape) == shape and v.dim() > 0 for v in state.values()):
             optimizer.state[param] = shard_param_state(state, buffer.pieces[slot], shape, self.names[param])
 
@@ -308,6 +337,7 @@ class ZeroEngine:
         """Shard the parameters that became trainable in an optimizer since setup (collective)."""
         self._check_optimizers()
         self._agree_across_ranks(())
+        self._assign_owners()
         if self.options.stage == 3:
             self._split_frozen_buffers()
         else:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero.core.comm import Communicator, Work
-from lightning_zero.core.layout import FlatLayout, Piece
+from lightning_zero.core.layout import FlatLayout, Layout, OwnerLayout, Piece
 from lightning_zero.core.rest import engine_access
 
 
@@ -63,25 +63,34 @@ class ShardedState(Enum):
 class FlatParamBuffer:
     """Parameters of one dtype and device, laid out flat; this rank's shard of them."""
 
-    layout: FlatLayout
+    layout: Layout
     params: list[nn.Parameter]
     data: Tensor  # 1D, layout.padded_numel elements; params are views into it
     views: list[Tensor]  # per param, its view of data (made while data has its memory)
-    shard: Tensor  # 1D, layout.shard_numel elements: this rank's part
+    shard: Tensor  # 1D, shard_numel elements: this rank's part
     pieces: list[Piece]  # per param, its part inside this rank's shard (empty where it has none)
     may_change_at_rest: bool  # users can write the parameters between steps (stages 1 and 2)
 
     def __init__(
-        self, params: Sequence[nn.Parameter], rank: int, world_size: int, device: torch.device | None = None
+        self,
+        params: Sequence[nn.Parameter],
+        rank: int,
+        world_size: int,
+        device: torch.device | None = None,
+        owners: Sequence[int] | None = None,
     ) -> None:
-        """Pack ``params`` (their values are copied, except from the meta device: initialise those in the views)."""
+        """Pack ``params`` (their values are copied, except from the meta device: initialise those in the views);
+        with ``owners`` (one rank per parameter) as whole tensors per owner, see [Note: owner layout]."""
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
         if len(dtypes) != 1 or len(devices) != 1:
             raise ValueError(f"a flat buffer needs one dtype and one device, got {dtypes} and {devices}")
         self.params = list(params)
         self.rank = rank
-        self.layout = FlatLayout.build([tuple(p.shape) for p in self.params], world_size)
+        shapes = [tuple(p.shape) for p in self.params]
+        self.layout: Layout = (
+            FlatLayout.build(shapes, world_size) if owners is None else OwnerLayout.build(shapes, owners, world_size)
+        )
         dtype, device = dtypes.pop(), device or devices.pop()
         self.data = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
         self.views = self.param_views(self.data)
@@ -104,6 +113,22 @@ class FlatParamBuffer:
     @property
     def bounds(self) -> tuple[int, int]:
         return self.layout.shard_bounds(self.rank)
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of this rank's shard (with whole-tensor owners, they differ between ranks)."""
+        return self.layout.shard_size(self.rank)
+
+    def owned_elsewhere(self, slot: int) -> bool:
+        """Another rank owns parameter ``slot`` whole (see [Note: owner layout]): this rank steps none of it."""
+        return self.layout.whole_tensors and not self.pieces[slot].numel and self.layout.slots[slot].numel > 0
+
+    def shaped(self, owned: Tensor, slot: int) -> Tensor:
+        """``owned`` (a parameter's 1-D owned part) as the optimizer sees it: in the parameter's own shape where the
+        rank owns it whole (see [Note: owner layout]), else as it is."""
+        if not self.layout.whole_tensors or owned.numel() != self.layout.slots[slot].numel:
+            return owned
+        return owned.view(self.layout.slots[slot].shape)
 
     def cast(self, dtype: torch.dtype | None) -> None:
         """Hold the parameters in ``dtype`` (floating-point buffers only). Call while the buffer holds its full
@@ -157,7 +182,7 @@ class FlatParamBuffer:
     def gather_full(self, shard_like: Tensor, comm: Communicator) -> Tensor:
         """A new full-size tensor from every rank's ``shard_like`` (collective)."""
         full = torch.empty(self.layout.padded_numel, dtype=shard_like.dtype, device=shard_like.device)
-        comm.all_gather(full, shard_like)
+        comm.all_gather(full, shard_like, sizes=self.layout.uneven_sizes)
         return full
 
     def load_owned(self, slot: int, values: Tensor) -> None:
@@ -197,7 +222,7 @@ class ReplicatedBuffer(FlatParamBuffer):
 
     def publish(self, comm: Communicator) -> Work | None:
         """Start gathering every rank's (just updated) shard into the full buffer."""
-        return comm.all_gather(self.data, self.shard, async_op=True)
+        return comm.all_gather(self.data, self.shard, async_op=True, sizes=self.layout.uneven_sizes)
 
     def full_values(self, best: Tensor, comm: Communicator) -> Tensor:
         """A new full-size tensor of ``best`` (the shard, or a wider master of it): collective unless the shard."""
@@ -230,20 +255,21 @@ class ShardedBuffer(FlatParamBuffer):
         device: torch.device | None = None,
         shard_home: torch.device | None = None,
         resting: ShardStorage | None = None,
+        owners: Sequence[int] | None = None,
     ) -> None:
         self.shard_home = shard_home
         self.resting = resting
         self._shard: Tensor | None = None
         self._reading: Future[Tensor] | None = None  # a read-ahead of the resting shard (see read_ahead)
         self._written = False
-        super().__init__(params, rank, world_size, device)
+        super().__init__(params, rank, world_size, device, owners)
 
     @property  # type: ignore[override]
     def shard(self) -> Tensor:
         if self._shard is None:  # at rest on disk: read back on first use (or take the read-ahead)
             assert self.resting is not None
             reading, self._reading = self._reading, None
-            self._shard = reading.result() if reading else self.resting.get(self.data.dtype, self.layout.shard_numel)
+            self._shard = reading.result() if reading else self.resting.get(self.data.dtype, self.shard_numel)
         return self._shard
 
     @shard.setter
@@ -266,7 +292,7 @@ class ShardedBuffer(FlatParamBuffer):
         """Start reading a shard that rests on disk in the background (the unit is gathered soon); a no-op when
         it is in memory, being read, or not on disk."""
         if self.resting is not None and self._shard is None and self._reading is None:
-            self._reading = self.resting.get_async(self.data.dtype, self.layout.shard_numel)
+            self._reading = self.resting.get_async(self.data.dtype, self.shard_numel)
 
     def shard_written(self) -> None:
         self._written = True
@@ -320,7 +346,8 @@ class ShardedBuffer(FlatParamBuffer):
         # storage with a version counter of its own, so backward does not take it for an in-place change of
         # the saved views (the values are the same: see [Note: freeing gathered storage]).
         target = torch.empty(0, dtype=self.data.dtype, device=self.data.device).set_(storage, 0, self.data.shape)
-        return comm.all_gather(target, self.shard.to(self.data.device, non_blocking=True), async_op=True)
+        shard = self.shard.to(self.data.device, non_blocking=True)
+        return comm.all_gather(target, shard, async_op=True, sizes=self.layout.uneven_sizes)
 
     def commit_shard(self) -> None:
         """Keep this rank's part of the full buffer as the shard and free the rest (setup)."""
@@ -346,4 +373,4 @@ class ShardedBuffer(FlatParamBuffer):
 
     @property
     def shard_nbytes(self) -> int:
-        return self.layout.shard_numel * self.data.element_size()
+        return self.shard_numel * self.data.element_size()

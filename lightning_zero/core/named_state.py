@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.core.flat_buffer import FlatParamBuffer
-from lightning_zero.core.optim_state import gather_param_states, shard_param_state
+from lightning_zero.core.optim_state import gather_param_states, is_scalar_state, param_shaped, shard_param_state
 from lightning_zero.core.rest import engine_access
 from lightning_zero.core.store import MasterStore
 
@@ -44,6 +44,7 @@ class ShardedTensor:
         dtype: the dtype of the values saved (the fp32 master's where there is one).
         ranges: ``(rank, start, end)`` of the flattened elements each rank owns, non-empty ones, by rank.
         start, end: this rank's range (empty when it owns none).
+        whole: each rank owns whole tensors (``partition="parameter"``, see [Note: owner layout]).
     """
 
     name: str
@@ -55,6 +56,10 @@ class ShardedTensor:
     _engine: ZeroEngine
     _buffer: FlatParamBuffer
     _slot: int
+
+    @property
+    def whole(self) -> bool:
+        return self._buffer.layout.whole_tensors
 
     def owned(self) -> Tensor:
         """A view of this rank's elements, in :attr:`dtype` (clone it to keep it)."""
@@ -152,12 +157,34 @@ class NamedState:
         return self._engine.saving()
 
     def optimizer_shard_state(self, index: int) -> dict[str, dict[str, Any]]:
-        """Optimizer ``index``'s state by parameter name: this rank's pieces of the element-wise state."""
+        """Optimizer ``index``'s state by parameter name: this rank's pieces of the element-wise state, flattened
+        (whole-tensor owners hold it in the parameter's shape), and any other state as it is (see
+        :meth:`whole_state_keys`)."""
         engine = self._engine
         optimizer = engine.optimizers[index]
         managed = [entry.param for entry in engine.steps[index].entries]
         states = engine.optimizer_state(optimizer)  # paged-out state read back (see core/offload/disk.py)
-        return {engine.names[p]: states[id(p)] for p in managed if states.get(id(p))}
+        return {
+            engine.names[p]: {k: v.reshape(-1) if param_shaped(v, p.shape) else v for k, v in states[id(p)].items()}
+            for p in managed
+            if states.get(id(p))
+        }
+
+    def whole_state_keys(self, index: int) -> dict[str, list[str]]:
+        """Per parameter name, the keys of optimizer ``index``'s state that is neither scalar nor element-wise
+        (Adafactor's row and column factors): only whole-tensor owners have such state, saved whole by the owner."""
+        engine = self._engine
+        optimizer = engine.optimizers[index]
+        found = {}
+        for entry in engine.steps[index].entries:
+            if not entry.store.buffer.layout.whole_tensors:
+                continue  # flat pieces: element-wise state only (see [Note: the element-wise probe])
+            state = optimizer.state.get(entry.param) or {}
+            shape = entry.param.shape
+            keys = sorted(k for k, v in state.items() if not is_scalar_state(v) and not param_shaped(v, shape))
+            if keys:
+                found[engine.names[entry.param]] = keys
+        return found
 
     def load_optimizer_shard_state(
         self, index: int, hyperparameters: list[dict[str, Any]], states: Mapping[str, dict[str, Any]]
@@ -169,8 +196,12 @@ class NamedState:
             group.update(hyper)
         optimizer.state.clear()
         by_name = {engine.names[p]: p for g in optimizer.param_groups for p in g["params"]}
+        whole = {id(e.param) for e in engine.steps[index].entries if e.store.buffer.layout.whole_tensors}
         for name, state in states.items():
-            optimizer.state[by_name[name]] = state
+            param = by_name[name]
+            if id(param) in whole:  # the owner steps the parameter in its own shape (see [Note: owner layout])
+                state = {k: v.view(param.shape) if param_shaped(v, param.shape) else v for k, v in state.items()}
+            optimizer.state[param] = state
         engine.absorb_optimizer_state(optimizer)
 
     def shape_of(self, name: str) -> tuple[int, ...]:
@@ -235,7 +266,10 @@ def load_full_optimizer_state_dict(engine: ZeroEngine, optimizer: Optimizer, sta
             continue
         buffer = entry.store.buffer
         shape = buffer.layout.slots[entry.slot].shape
-        sliced = shard_param_state(state, buffer.pieces[entry.slot], shape, engine.names[param])
+        whole = buffer.layout.whole_tensors
+        sliced = shard_param_state(state, buffer.pieces[entry.slot], shape, engine.names[param], whole)
+        if whole and not sliced:
+            continue  # another rank owns the parameter whole, and its state
         home = entry.store.step_view(entry.slot).device if not entry.store.offloaded else torch.device("cpu")
         optimizer.state[param] = {k: _to(v, home) for k, v in sliced.items()}
     engine.absorb_optimizer_state(optimizer)

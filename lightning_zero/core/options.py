@@ -15,6 +15,7 @@ from torch import nn
 WrapPolicy = set[type[nn.Module]] | Callable[[nn.Module], bool] | None
 
 STAGES = (1, 2, 3)
+PARTITIONS = ("flat", "parameter")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,8 @@ class EngineOptions:
         offload_params: ``"cpu"`` / ``"nvme"``: stage-3 parameter shards rest in host memory / the swap file
             between uses.
         nvme_path: the directory of each rank's swap file (``offload_optimizer="nvme"``).
+        partition: ``"flat"``: element ranges of flat buffers per rank; ``"parameter"``: each trained tensor owned
+            whole by one rank (see [Note: owner layout]).
     """
 
     stage: int = 2
@@ -40,6 +43,7 @@ class EngineOptions:
     offload_optimizer: str | bool = False
     offload_params: str | bool = False
     nvme_path: str | None = None
+    partition: str = "flat"
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES or isinstance(self.stage, bool):
@@ -49,6 +53,8 @@ class EngineOptions:
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}. The default is 25.")
         self._check_offload()
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"partition={self.partition!r}: choose one of {list(PARTITIONS)}.")
 
     def _check_offload(self) -> None:
         if self.offload_optimizer not in (False, "cpu", "nvme"):
@@ -75,6 +81,7 @@ class EngineOptions:
             "wrap_policy": describe_policy(self.wrap_policy),
             "offload_optimizer": self.offload_optimizer,
             "offload_params": self.offload_params,
+            "partition": self.partition,
         }
 
 

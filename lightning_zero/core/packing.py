@@ -24,6 +24,7 @@ from lightning_zero.core.layout import plan_buckets
 from lightning_zero.core.mixed_precision import PrecisionPolicy
 from lightning_zero.core.offload import Offload
 from lightning_zero.core.options import WrapPolicy
+from lightning_zero.core.owners import OwnerPlan
 from lightning_zero.core.rest import RestingParameter, engine_access
 from lightning_zero.core.stage3 import GatherUnit, assign_params, initialise, materialize_buffers, select_units
 from lightning_zero.core.store import InPlaceStore, MasterStore, ShardStore
@@ -42,6 +43,7 @@ class Packer:
         policy: the dtypes held.
         bucket_cap_bytes: the size of a stage-1/2 bucket.
         offload: where offloaded states live (``None``: everything on ``device``).
+        owners: whole-tensor owners of the trained tensors (``partition="parameter"``; ``None``: flat shards).
     """
 
     def __init__(
@@ -53,8 +55,10 @@ class Packer:
         policy: PrecisionPolicy,
         bucket_cap_bytes: int,
         offload: Offload | None = None,
+        owners: OwnerPlan | None = None,
     ) -> None:
         self.module = module
+        self.owners = owners
         self.names = names
         self.comm = comm
         self.device = device
@@ -92,7 +96,7 @@ class Packer:
         planned.sort(key=lambda members: order[members[0]])
         packed: list[Packed] = []
         for members in planned:
-            buffer = ReplicatedBuffer(members, self.comm.rank, self.comm.world_size)
+            buffer = ReplicatedBuffer(members, self.comm.rank, self.comm.world_size, owners=self._owners(members))
             packed.append((buffer, self.store_for(buffer, optimized=True)))
         return packed
 
@@ -136,6 +140,9 @@ class Packer:
         unit.holds_frozen = any(not p.requires_grad for b in unit.buffers for p in b.params)
         return [(piece, self._commit(piece, optimized)) for piece in new]
 
+    def _owners(self, params: Sequence[nn.Parameter]) -> list[int] | None:
+        return self.owners.owners_of(params) if self.owners is not None else None
+
     @property
     def shard_home(self) -> torch.device | None:
         return self.offload.shard_home if self.offload is not None else None
@@ -149,6 +156,7 @@ class Packer:
                 device=self.device,
                 shard_home=self.shard_home,
                 resting=self.offload.resting() if self.offload is not None else None,
+                owners=self._owners(same) if flag else None,  # frozen tensors: flat (no optimizer steps them)
             )
             for flag in (True, False)
             for same in split_by_dtype([p for p in params if p.requires_grad is flag], self.keep_dtype)

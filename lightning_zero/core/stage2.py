@@ -31,7 +31,7 @@ class ShardGradBucket(GradBucket):
     """
 
     staging: Tensor | None  # 1D, layout.padded_numel while the bucket is being filled or reduced
-    _output: Tensor | None  # 1D, layout.shard_numel while the reduction is in flight
+    _output: Tensor | None  # 1D, shard_numel while the reduction is in flight
 
     def __init__(
         self,
@@ -65,7 +65,7 @@ class ShardGradBucket(GradBucket):
 
     @property
     def _shape(self) -> tuple[torch.dtype, int]:
-        return self.buffer.data.dtype, self.buffer.layout.shard_numel
+        return self.buffer.data.dtype, self.buffer.shard_numel
 
     def settle(self, write: bool = True) -> None:
         """``resting``: the shard goes to its region and leaves memory; a no-op otherwise. ``write=False``: the
@@ -119,7 +119,9 @@ class ShardGradBucket(GradBucket):
             self._clean = False
         else:
             self._output = torch.empty(self._shape[1], dtype=self.reduce_dtype, device=self.device)
-        self._work = self.comm.reduce_scatter(self._output, staging, async_op=True)
+        self._work = self.comm.reduce_scatter(
+            self._output, staging, async_op=True, sizes=self.buffer.layout.uneven_sizes
+        )
 
     def _release_staging(self) -> None:
         self.staging = None

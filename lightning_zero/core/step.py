@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core.buckets import GradBucket
 from lightning_zero.core.comm import Communicator, wait_all
+from lightning_zero.core.hyperparams import HyperparameterAgreement
 from lightning_zero.core.loss_weight import LossWeights
 from lightning_zero.core.mixed_precision import DynamicLossScaler
 from lightning_zero.core.offload.disk import run_paged
@@ -87,6 +88,7 @@ class OptimizerStep:
         scaling: the loss scale shared by every optimizer of the engine.
         on_step_end: called after every step (the engine takes the step's communication counts).
         on_prepare: called before the step gradients are made (the engine agrees on the loss weight there).
+        label: names the optimizer in errors.
     """
 
     def __init__(
@@ -98,8 +100,10 @@ class OptimizerStep:
         scaling: LossScaling,
         on_step_end: Callable[[], None],
         on_prepare: Callable[[], None] = lambda: None,
+        label: str = "the optimizer",
     ) -> None:
         self.optimizer = optimizer
+        self.hyperparameters = HyperparameterAgreement(comm, device, label)
         self.on_prepare = on_prepare
         self._weight_skipped = False
         self.comm = comm
@@ -154,6 +158,7 @@ class OptimizerStep:
         if self.state is StepState.PREPARED:
             return self._finite
         self.on_prepare()
+        self.hyperparameters.check(self.optimizer)  # see [Note: agreeing on hyper-parameters]
         scale = self.scaling.scale_for_step(loss_scale)
         for store in self._stores:
             if store.buffer.may_change_at_rest:  # parameters written in place since the last step
@@ -264,9 +269,14 @@ class OptimizerStep:
         self.state = StepState.STEPPING
         with torch.no_grad(), engine_access():
             for entry, grad in zip(self.entries, self._step_grads, strict=True):
+                buffer = entry.store.buffer
                 entry.param.grad = None
-                entry.param.data = entry.store.step_view(entry.slot)
-                entry.param.grad = grad if finite and not entry.store.paged else None
+                entry.param.data = buffer.shaped(entry.store.step_view(entry.slot), entry.slot)
+                # A tensor another rank owns whole gets no grad: no state here (see [Note: owner layout]).
+                stepped = (
+                    finite and not entry.store.paged and grad is not None and not buffer.owned_elsewhere(entry.slot)
+                )
+                entry.param.grad = buffer.shaped(grad, entry.slot) if stepped and grad is not None else None
             if finite and self._paged:
                 self._step_paged()
 

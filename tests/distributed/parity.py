@@ -59,6 +59,51 @@ CASES = {
 STAGES = {name: (1, 2) if name == "unused_on_one_rank" else (1, 2, 3) for name in CASES}
 
 
+def make_optimizers(model: nn.Module, case: Case) -> list[Optimizer]:
+    """The case's optimizers: one, or for ``"muon"`` Muon over the hidden matrices and AdamW over the rest (the
+    embedding, the head, biases), as Muon is meant to be used."""
+    if case.optimizer in ("muon", "muon_fp32"):
+        hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and not n.startswith(("emb", "head"))]
+        rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
+        muon_class = torch.optim.Muon if case.optimizer == "muon" else MuonFP32
+        return [muon_class(hidden, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.05)]
+    return [make_optimizer(model, case)]
+
+
+class MuonFP32(torch.optim.Optimizer):
+    """Muon with its Newton-Schulz orthogonalisation in fp32 (torch's runs it in bf16): a user optimizer whose
+    update of each matrix depends on the whole matrix."""
+
+    def __init__(self, params: Any, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                buffer = state.setdefault("momentum_buffer", torch.zeros_like(param))
+                buffer.lerp_(param.grad, 1 - group["momentum"])
+                update = param.grad.lerp(buffer, group["momentum"])
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                param.add_(orthogonalise(update), alpha=-group["lr"] * max(1, param.shape[0] / param.shape[1]) ** 0.5)
+
+
+def orthogonalise(matrix: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Newton-Schulz iteration towards the nearest semi-orthogonal matrix, in fp32."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = matrix / (matrix.norm() + 1e-7)
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.T
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if transposed else x
+
+
 def make_optimizer(model: nn.Module, case: Case) -> Optimizer:
     if case.two_groups:
         decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
@@ -74,6 +119,8 @@ def make_optimizer(model: nn.Module, case: Case) -> Optimizer:
         return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     if case.optimizer == "adagrad":
         return torch.optim.Adagrad(groups, lr=0.05)
+    if case.optimizer == "adafactor":
+        return torch.optim.Adafactor(groups, lr=1e-2, weight_decay=0.05)
     raise ValueError(case.optimizer)
 
 
@@ -95,26 +142,35 @@ def train_ddp(model: nn.Module, case: Case, rank: int, return_optimizer: bool = 
     """Train ``model`` in place under DDP; return it, or the optimizer's state dict."""
     model.skip_b = case.unused_on_rank1 and rank == 1
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
-    optimizer = make_optimizer(model, case)
+    optimizers = make_optimizers(model, case)
     for step in range(STEPS):
         if step % case.zero_grad_every == 0:
-            optimizer.zero_grad()
+            for optimizer in optimizers:
+                optimizer.zero_grad()
         for micro, (tokens, targets) in _micro_batches(step, rank, case):
             context = ddp.no_sync() if micro < case.accumulate - 1 else nullcontext()
             with context:
                 (loss_fn(ddp, tokens, targets) / case.accumulate).backward()
+        _clip(optimizers, case)
+        for optimizer in optimizers:
+            optimizer.step()
+    return optimizers[0].state_dict() if return_optimizer else model
+
+
+def _clip(optimizers: list[Optimizer], case: Case) -> None:
+    """The case's clipping of each optimizer's parameters (by norm, by value, or none), as torch does it."""
+    for optimizer in optimizers:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         if case.clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip_norm)
+            torch.nn.utils.clip_grad_norm_(params, case.clip_norm)
         if case.clip_value is not None:
-            torch.nn.utils.clip_grad_value_(model.parameters(), case.clip_value)
-        optimizer.step()
-    return optimizer.state_dict() if return_optimizer else model
+            torch.nn.utils.clip_grad_value_(params, case.clip_value)
 
 
 def train_zero(model: nn.Module, case: Case, rank: int, stage: int, comm: Communicator, **options: Any) -> ZeroEngine:
     """Train ``model`` in place under ZeroEngine (``options``: further EngineOptions, e.g. offload)."""
     model.skip_b = case.unused_on_rank1 and rank == 1
-    optimizer = make_optimizer(model, case)
+    optimizers = make_optimizers(model, case)
     # A tiny bucket cap gives several buckets, so ordering and partial buckets are exercised; at stage 3
     # every Linear and Block is a gather unit (a Block nests its Linear's unit; the tied head weight then
     # lives in the root unit with the embedding).
@@ -122,16 +178,18 @@ def train_zero(model: nn.Module, case: Case, rank: int, stage: int, comm: Commun
     if case.checkpoint:
         apply_activation_checkpointing(model, {nn.Linear, Block})
     engine_options = EngineOptions(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy, **options)
-    engine = ZeroEngine(model, [optimizer], engine_options, comm)
+    engine = ZeroEngine(model, optimizers, engine_options, comm)
     for step in range(STEPS):
         if step % case.zero_grad_every == 0:
-            optimizer.zero_grad()
+            for optimizer in optimizers:
+                optimizer.zero_grad()
         for micro, (tokens, targets) in _micro_batches(step, rank, case):
             context = engine.no_sync() if micro < case.accumulate - 1 else nullcontext()
             with context:
                 (loss_fn(model, tokens, targets) / case.accumulate).backward()
-        clip_with_engine(engine, optimizer, case)
-        optimizer.step()
+        for optimizer in optimizers:
+            clip_with_engine(engine, optimizer, case)
+            optimizer.step()
     engine.remove_hooks()
     return engine
 
@@ -146,10 +204,11 @@ def clip_with_engine(engine: ZeroEngine, optimizer: Optimizer, case: Case) -> No
 
 def train_reordered(model: nn.Module, case: Case, world_size: int) -> nn.Module:
     """One process computes every rank's loss sample by sample, so gradients are summed in another order."""
-    optimizer = make_optimizer(model, case)
+    optimizers = make_optimizers(model, case)
     for step in range(STEPS):
         if step % case.zero_grad_every == 0:
-            optimizer.zero_grad()
+            for optimizer in optimizers:
+                optimizer.zero_grad()
         for rank in reversed(range(world_size)):
             model.skip_b = case.unused_on_rank1 and rank == 1
             for _, (tokens, targets) in _micro_batches(step, rank, case):
@@ -157,11 +216,9 @@ def train_reordered(model: nn.Module, case: Case, world_size: int) -> nn.Module:
                 for i in reversed(range(size)):
                     sample_loss = loss_fn(model, tokens[i : i + 1], targets[i : i + 1])
                     (sample_loss / (size * case.accumulate * world_size)).backward()
-        if case.clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip_norm)
-        if case.clip_value is not None:
-            torch.nn.utils.clip_grad_value_(model.parameters(), case.clip_value)
-        optimizer.step()
+        _clip(optimizers, case)
+        for optimizer in optimizers:
+            optimizer.step()
     return model
 
 

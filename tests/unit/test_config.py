@@ -54,7 +54,6 @@ def test_invalid_options_raise_value_error(kwargs: dict, match: str) -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"partition": "parameter"},
         {"shard_size": 2},
     ],
 )

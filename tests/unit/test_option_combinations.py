@@ -49,8 +49,7 @@ def test_every_pair_of_option_values_constructs_or_raises_a_value_error(chunk: i
         outcome = _build(options)  # anything but these three fails the test with its own traceback
         outcomes.append(outcome)
         if outcome == "NotImplementedError":
-            planned = options.get("partition") == "parameter" or options.get("shard_size") is not None
-            assert planned, options  # hybrid sharding (any shard_size) and partition="parameter" are planned
+            assert options.get("shard_size") is not None, options  # hybrid sharding (any shard_size) is planned
     assert outcomes
 
 

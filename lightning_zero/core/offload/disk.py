@@ -263,14 +263,15 @@ class DiskStore(ShardStore):
         self._apply_writes_at_rest(master)
         prefix = _prefix(optimizer)
         for param, slot, grad in entries:
-            param.data = self.buffer.owned(master, slot)
-            param.grad = grad
+            param.data = self.buffer.shaped(self.buffer.owned(master, slot), slot)
+            stepped = grad is not None and not self.buffer.owned_elsewhere(slot)
+            param.grad = self.buffer.shaped(grad, slot) if stepped else None
             state = optimizer.state.get(param)
             if not state:
                 continue
             for name, view in paged.views.items():
                 if name.startswith(prefix) and slot in self.slots_with[name]:
-                    state[name.removeprefix(prefix)] = self.buffer.owned(view, slot)
+                    state[name.removeprefix(prefix)] = self.buffer.shaped(self.buffer.owned(view, slot), slot)
 
     def unbind(self, paged: Paged, optimizer: Optimizer, entries: Sequence[tuple[nn.Parameter, int, Tensor]]) -> None:
         """After the optimizer stepped: the new shard reaches the device, state moves into the regions (new state
