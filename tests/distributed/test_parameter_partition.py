@@ -9,6 +9,7 @@ owner; every rank holds the same owners; bytes moved equal the ZeRO formulas wit
 from __future__ import annotations
 
 import copy
+import tempfile
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_zero.core.comm import Communicator
+from tests.distributed import mixed_parity
 from tests.distributed.models import TinyLM, batch, loss_fn
 from tests.distributed.parity import Case, relative_difference, train_ddp, train_reordered, train_zero
 from tests.helpers import run_on_ranks
@@ -33,6 +35,27 @@ CASES = {
     "muon": Case(optimizer="muon"),
     "muon_fp32": Case(optimizer="muon_fp32"),
 }
+
+
+OFFLOAD_CASES = ("adamw_accumulate_clip", "adafactor", "muon")
+OFFLOAD_MODES = (
+    (1, "cpu"),
+    (2, "nvme"),
+    (3, "cpu+params"),
+    (3, "nvme+params"),
+)
+MIXED_CASES = ("adamw", "adafactor")
+MIXED_TOLERANCE = {2: 0.0, 3: 2e-3}  # as for flat shards (tests/distributed/test_mixed_precision.py)
+
+
+def _paths(mode: str, directory: str) -> dict[str, Any]:
+    target = mode.split("+")[0]
+    options: dict[str, Any] = {"offload_optimizer": target}
+    if mode.endswith("+params"):
+        options["offload_params"] = target
+    if target == "nvme":
+        options["nvme_path"] = directory
+    return options
 
 
 def _structure(engine: Any) -> dict[str, Any]:
@@ -71,6 +94,27 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
             out[f"structure/{stage}/{name}"] = _structure(engine)
             with engine.gathered():
                 out[f"{stage}/{name}"] = relative_difference(reference, model)
+    directory = tempfile.mkdtemp(prefix="lz-partition-")
+    for name in OFFLOAD_CASES:  # every offload mode steps whole tensors too
+        case = CASES[name]
+        torch.manual_seed(0)
+        initial = TinyLM()
+        reference = train_ddp(copy.deepcopy(initial), case, rank)
+        for stage, options in OFFLOAD_MODES:
+            model = copy.deepcopy(initial)
+            engine = train_zero(model, case, rank, stage, comm, partition="parameter", **_paths(options, directory))
+            with engine.gathered():
+                out[f"offload/{name}/{stage}/{options}"] = relative_difference(reference, model)
+            engine.release()
+    for name in MIXED_CASES:  # bf16 parameters and gradients, fp32 masters: against the same maths written out
+        case = CASES[name]
+        torch.manual_seed(0)
+        initial = TinyLM()
+        trainable = [n for n, p in initial.named_parameters() if p.requires_grad]
+        for stage in STAGES:
+            reference_state = mixed_parity.train_reference(initial, case, rank, torch.bfloat16, None, stage >= 2)
+            state = mixed_parity.train_zero(initial, case, stage, comm, torch.bfloat16, None, partition="parameter")
+            out[f"bf16/{name}/{stage}"] = mixed_parity._difference(reference_state.state_dict(), state, trainable)
     for stage in STAGES:  # bytes of one step, flat and by owner, on the same model
         for partition in ("flat", "parameter"):
             out[f"comm/{stage}/{partition}"] = _one_step_comm(stage, partition, rank, comm)
@@ -164,3 +208,22 @@ def test_bytes_moved_equal_the_formulas_without_padding(results: list[dict[str, 
     else:
         assert owned["by_op"]["all_gather"] == 4 * (2 * psi - owned["root_padded"])
         assert flat["by_op"]["all_gather"] == 4 * (2 * padded - flat["root_padded"])
+
+
+@pytest.mark.parametrize(("stage", "mode"), OFFLOAD_MODES)
+@pytest.mark.parametrize("case", OFFLOAD_CASES)
+def test_every_offload_mode_steps_whole_tensors_like_ddp(
+    results: list[dict[str, Any]], case: str, stage: int, mode: str
+) -> None:
+    for rank, per_rank in enumerate(results):
+        difference = per_rank[f"offload/{case}/{stage}/{mode}"]
+        assert difference <= TOLERANCE, f"rank {rank}: {case} stage {stage} {mode}: {difference:.2e} from DDP"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("case", MIXED_CASES)
+def test_bf16_mixed_equals_the_same_maths_on_full_tensors(results: list[dict[str, Any]], case: str, stage: int) -> None:
+    tolerance = MIXED_TOLERANCE[len(results)]
+    for rank, per_rank in enumerate(results):
+        difference = per_rank[f"bf16/{case}/{stage}"]
+        assert difference <= tolerance, f"rank {rank}: bf16 {case} stage {stage}: {difference:.2e}"

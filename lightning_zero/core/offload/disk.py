@@ -310,7 +310,7 @@ class DiskStore(ShardStore):
                     paged.views[name] = _typed(paged.pages[name], value.dtype, self.numel)
                 target = self.buffer.owned(paged.views[name], slot)
                 if target.data_ptr() != value.data_ptr() or numel == 0:
-                    target.copy_(value)
+                    target.copy_(value.reshape(-1))  # whole-tensor owners step it in the parameter's shape
                 self.slots_with[name].add(slot)
                 state[key] = torch.empty(0, dtype=value.dtype, device=HOST)  # see [Note: paged optimizer steps]
 
