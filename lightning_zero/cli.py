@@ -132,6 +132,12 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
     estimate.add_argument(
         "--offload-params", choices=["cpu", "nvme"], default=False, help="stage 3: parameter shard off device"
     )
+    estimate.add_argument(
+        "--partition",
+        choices=["flat", "parameter"],
+        default="flat",
+        help="flat: even shards (default); parameter: whole tensors per owner, the most loaded rank's bytes",
+    )
 
 
 def _estimate(args: argparse.Namespace) -> None:
@@ -143,13 +149,20 @@ def _estimate(args: argparse.Namespace) -> None:
     print(f"{class_path}: {total:,} parameters ({trainable:,} trainable)")
     print(
         f"world_size={args.world_size}, precision={args.precision}, optimizer={args.optimizer}, "
-        f"offload_optimizer={args.offload_optimizer}, offload_params={args.offload_params}\n"
+        f"offload_optimizer={args.offload_optimizer}, offload_params={args.offload_params}, "
+        f"partition={args.partition}\n"
     )
     rows = [_row(model, stage, args) for stage in STAGES]
     print(_format_table(rows))
     print("Per rank; 1 GB = 1e9 bytes. Not included: activations, buffers, padding, optimizer step counters.")
     if args.offload_optimizer or args.offload_params:
         print("Offload applies where the stage allows it: optimizer from stage 1, parameters at stage 3 only.")
+    if args.partition == "parameter":
+        owned = estimate_memory(model, stage=1, world_size=args.world_size, partition="parameter")
+        print(
+            f"partition=parameter: the most loaded rank owns {owned.owned_max:,} trained elements, the least "
+            f"{owned.owned_min:,} (even shards: {-(-trainable // args.world_size):,}); the table is the most loaded's."
+        )
 
 
 def _row(model: nn.Module, stage: int, args: argparse.Namespace) -> list[str]:
@@ -162,6 +175,7 @@ def _row(model: nn.Module, stage: int, args: argparse.Namespace) -> list[str]:
         optimizer=args.optimizer,
         offload_optimizer=args.offload_optimizer if stage >= 1 else False,
         offload_params=args.offload_params if stage == 3 else False,
+        partition=args.partition,
     )
     return [_stage_label(stage), *map(_human_bytes, _columns_of(estimate))]
 

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from lightning_zero.config import OFFLOAD_TARGETS, Offload
+from lightning_zero.core.layout import assign_owners
 from lightning_zero.core.memory import MemoryReport
 
 STAGES = (0, 1, 2, 3)
@@ -86,6 +87,7 @@ def estimate_memory(
     optimizer: str = "adamw",
     offload_optimizer: Offload = False,
     offload_params: Offload = False,
+    partition: str = "flat",
 ) -> MemoryEstimate:
     """Estimate the bytes of parameters, gradients and optimizer state that each rank holds.
 
@@ -112,6 +114,9 @@ def estimate_memory(
             states and master copy are counted in ``offloaded`` instead of on the device.
         offload_params: ``False``, ``"cpu"`` or ``"nvme"``; stage 3 only. When set, the parameter
             shard is counted in ``offloaded`` too.
+        partition: ``"flat"`` (even shards) or ``"parameter"`` (whole tensors per owner, assigned as the engine
+            assigns them): the bytes are the most loaded rank's; ``owned_max`` / ``owned_min`` give the trained
+            elements of the most and least loaded rank.
 
     Returns:
         The per-rank bytes; ``total`` is what stays on the accelerator.
@@ -122,15 +127,27 @@ def estimate_memory(
             or ``offload_params`` below stage 3.
     """
     _check_arguments(model, stage, world_size, precision, optimizer, offload_optimizer, offload_params)
+    if partition not in ("flat", "parameter"):
+        raise ValueError(f"partition={partition!r} is not supported; choose one of ['flat', 'parameter'].")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     widths = PRECISIONS[precision]
     # Offload keeps an fp32 master on the host in every precision, 32-true too (the device keeps the parameters).
     master = OFFLOADED_MASTER_BYTES if offload_optimizer else widths.master
     state_width = OPTIMIZER_STATE_BYTES[optimizer] + master
-    params = _per_rank(widths.param * trainable + widths.frozen * frozen, world_size if stage >= 3 else 1)
-    gradients = _per_rank(widths.grad * trainable, world_size if stage >= 2 else 1)
-    optimizer_states = _per_rank(state_width * trainable, world_size if stage >= 1 else 1)
+    owned_max, owned_min = _owned(model, stage, world_size, partition)
+
+    def sharded(width: int, from_stage: int, extra: int = 0) -> int:
+        """One rank's bytes of the trained tensors at ``width`` bytes each (plus ``extra`` bytes sharded evenly),
+        sharded from ``from_stage`` on: the most loaded owner's with partition="parameter"."""
+        shards = world_size if stage >= from_stage else 1
+        if partition == "parameter" and shards > 1:
+            return width * owned_max + _per_rank(extra, shards)
+        return _per_rank(width * trainable + extra, shards)
+
+    params = sharded(widths.param, 3, extra=widths.frozen * frozen)  # frozen tensors are sharded flat
+    gradients = sharded(widths.grad, 2)
+    optimizer_states = sharded(state_width, 1)
     offloaded = 0
     if offload_optimizer:
         offloaded, optimizer_states = offloaded + optimizer_states, 0
@@ -138,7 +155,25 @@ def estimate_memory(
         offloaded, params = offloaded + params, 0
     if offload_optimizer == "nvme" and offload_params == "nvme":  # ZeRO-Infinity: the gradient shard rests there too
         offloaded, gradients = offloaded + gradients, 0
-    return MemoryEstimate(params=params, gradients=gradients, optimizer_states=optimizer_states, offloaded=offloaded)
+    return MemoryEstimate(
+        params=params,
+        gradients=gradients,
+        optimizer_states=optimizer_states,
+        offloaded=offloaded,
+        owned_max=owned_max,
+        owned_min=owned_min,
+    )
+
+
+def _owned(model: nn.Module, stage: int, world_size: int, partition: str) -> tuple[int, int]:
+    """Trained elements of the most and the least loaded rank (all of them at stage 0, plain DDP)."""
+    numels = [p.numel() for p in model.parameters() if p.requires_grad]
+    if stage == 0:
+        return sum(numels), sum(numels)
+    if partition == "flat":
+        return -(-sum(numels) // world_size), sum(numels) // world_size
+    _, loads = assign_owners(numels, world_size)  # by elements: every trained tensor has the same widths
+    return max(loads), min(loads)
 
 
 def _per_rank(nbytes: int, shards: int) -> int:

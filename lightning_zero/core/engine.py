@@ -623,8 +623,18 @@ class ZeroEngine:
                     offloaded_states += nbytes
                 else:
                     resident += nbytes
+        owned = [0] * self.comm.world_size  # per rank (layouts are the same on every rank, so no collective)
+        for buffer in self.buffers:
+            if id(buffer) in self.stores:
+                for rank in range(self.comm.world_size):
+                    owned[rank] += buffer.layout.shard_size(rank)
         return MemoryReport(
-            params=params, gradients=grads, optimizer_states=resident + masters, offloaded=offloaded + offloaded_states
+            params=params,
+            gradients=grads,
+            optimizer_states=resident + masters,
+            offloaded=offloaded + offloaded_states,
+            owned_max=max(owned),
+            owned_min=min(owned),
         )
 
     @property

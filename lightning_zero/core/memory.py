@@ -15,6 +15,10 @@ class MemoryReport:
     gradients: int
     optimizer_states: int
     offloaded: int = 0
+    # Elements of trained tensors whose optimizer state the most / least loaded rank keeps (its state is
+    # proportional): equal up to padding with flat shards, the balance of the owners with partition="parameter".
+    owned_max: int = 0
+    owned_min: int = 0
 
     @property
     def total(self) -> int:

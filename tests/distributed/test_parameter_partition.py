@@ -74,6 +74,7 @@ def _structure(engine: Any) -> dict[str, Any]:
         "owners": {names[p]: owner for b in whole for p, owner in zip(b.params, b.layout.owners, strict=True)},
         "gradient_elements": sum(bucket.shard_grad.numel() for bucket in engine.buckets),
         "owned_elements": owned,
+        "report": engine.memory_report().as_dict(),
         "shapes": {name: tuple(p.shape) for p, name in names.items()},
     }
 
@@ -192,6 +193,9 @@ def test_each_tensor_has_one_owner_which_alone_keeps_its_state_in_its_shape(
         if stage >= 2:
             assert structure["gradient_elements"] == structure["owned_elements"]
     assert all(count == 1 for count in seen.values())
+    owned = [s["owned_elements"] for s in structures]
+    for structure in structures:  # memory_report() gives every rank the balance, without a collective
+        assert (structure["report"]["owned_max"], structure["report"]["owned_min"]) == (max(owned), min(owned))
     assert {key.split("/", 1)[1] for key in seen} == set(owners)  # every trained tensor has state somewhere
 
 

@@ -145,6 +145,8 @@ def test_memory_estimate_is_a_frozen_record_like_memory_report(model: nn.Module)
         "gradients": 4 * TRAINABLE // 4,
         "optimizer_states": 8 * TRAINABLE // 4,
         "offloaded": 0,
+        "owned_max": TRAINABLE // 4,
+        "owned_min": TRAINABLE // 4,
         "total": 4 * (TRAINABLE + FROZEN) + 12 * TRAINABLE // 4,
     }
     assert set(estimate.as_dict()) == set(lightning_zero.MemoryReport(0, 0, 0).as_dict())
@@ -226,3 +228,22 @@ assert not loaded, f"estimate loads lightning: {{loaded}}"
 def test_estimate_never_imports_lightning_and_the_core_never_imports_estimate() -> None:
     result = subprocess.run([sys.executable, "-c", LAYERING], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
+
+
+def test_partition_parameter_gives_the_most_loaded_owner() -> None:
+    with torch.device("meta"):  # 4 tensors of 100, 60, 50, 10 elements
+        model = nn.Sequential(nn.Linear(10, 10, bias=False), nn.Linear(6, 10, bias=False), nn.Linear(5, 10, bias=False))
+        model.append(nn.Linear(1, 10, bias=False))
+    flat = estimate_memory(model, stage=3, world_size=2, precision="32-true", partition="flat")
+    owned = estimate_memory(model, stage=3, world_size=2, precision="32-true", partition="parameter")
+    assert (flat.owned_max, flat.owned_min) == (110, 110)
+    assert (owned.owned_max, owned.owned_min) == (110, 110)  # 100 + 10 | 60 + 50
+    three = estimate_memory(model, stage=3, world_size=3, precision="32-true", partition="parameter")
+    assert (three.owned_max, three.owned_min) == (100, 60)  # 100 | 60 | 50 + 10
+    assert three.params == 4 * 100
+    assert three.gradients == 4 * 100
+    assert three.optimizer_states == 8 * 100  # AdamW: the most loaded rank's state
+    ddp = estimate_memory(model, stage=0, world_size=3, precision="32-true", partition="parameter")
+    assert ddp.optimizer_states == 8 * 220
+    with pytest.raises(ValueError, match="partition='tensor' is not supported"):
+        estimate_memory(model, stage=1, world_size=2, partition="tensor")
