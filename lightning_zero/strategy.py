@@ -537,7 +537,7 @@ class ZeroStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         if not os.path.isdir(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        sharded = ShardedCheckpoint(checkpoint_path)
+        sharded = ShardedCheckpoint(checkpoint_path, comm=self._comm)  # the ranks share the checksums
         checkpoint = sharded.lightning_state()
         checkpoint["state_dict"] = {}
         if sharded.metadata.get("optimizer_states", bool(sharded.metadata["optimizers"])):

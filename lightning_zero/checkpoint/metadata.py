@@ -7,6 +7,7 @@ reads the same files), naming what is wrong and what to do.
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,18 @@ FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 LIGHTNING_FILE = "lightning.pt"
 COMPLETE_FILE = "COMPLETE"  # in a save's directory once every rank's file is written (see sharded.py)
+FILES_KEY = "files"  # per file of the checkpoint: {"bytes", "crc32"}
+CHECKSUM_KEY = "checksum"  # CRC-32 of the rest of metadata.json
+_CHUNK = 8 * 2**20
+
+# [Note: checksums of a sharded checkpoint]
+# Every file a save writes (rank_{r}.pt, lightning.pt) is listed in metadata.json with its size and CRC-32,
+# computed by its writer after the fsync (the file is then in the page cache); metadata.json carries the CRC-32
+# of its own other contents. Opening a checkpoint checks the metadata's checksum, that exactly the listed rank
+# files are there, every file's size, and the CRC-32 of every file (the ranks of a run share that work, each
+# reading about 1/N of the checkpoint, and agree on the outcome). A truncated, changed or foreign file fails on
+# every rank with a CheckpointError naming it, before anything is loaded. torch.load alone would not notice:
+# flipped bytes in a tensor's data load silently. Checkpoints saved before checksums (no "files") skip them.
 
 
 def rank_file(rank: int) -> str:
@@ -35,6 +48,7 @@ def build_metadata(
     state_dict_keys: list[list[str]],
     optimizers: list[list[list[str]]],
     optimizer_states: bool = True,
+    files: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, Any]:
     return {
         "format_version": FORMAT_VERSION,
@@ -47,11 +61,26 @@ def build_metadata(
         "state_dict_keys": state_dict_keys,
         "optimizers": [{"param_groups": groups} for groups in optimizers],
         "optimizer_states": optimizer_states,  # False for save_checkpoint(weights_only=True)
+        FILES_KEY: files or {},
     }
 
 
 def write_metadata(directory: Path, metadata: dict[str, Any]) -> None:
-    (directory / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
+    (directory / METADATA_FILE).write_text(json.dumps({**metadata, CHECKSUM_KEY: _crc_of(metadata)}, indent=1))
+
+
+def _crc_of(metadata: dict[str, Any]) -> int:
+    rest = {k: v for k, v in metadata.items() if k != CHECKSUM_KEY}
+    return zlib.crc32(json.dumps(rest, sort_keys=True).encode())
+
+
+def file_digest(file: Path) -> dict[str, int]:
+    """A file's size and CRC-32 (see [Note: checksums of a sharded checkpoint])."""
+    crc, size = 0, 0
+    with open(file, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return {"bytes": size, "crc32": crc}
 
 
 def read_metadata(directory: str | Path) -> dict[str, Any]:
@@ -76,6 +105,11 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
         metadata = json.loads(path.read_text())
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{where}: {METADATA_FILE} is corrupt ({error}). Use another checkpoint.") from error
+    if isinstance(metadata, dict) and CHECKSUM_KEY in metadata and metadata[CHECKSUM_KEY] != _crc_of(metadata):
+        raise CheckpointError(
+            f"{where}: {METADATA_FILE} is damaged (its checksum does not match its contents): restore it from a copy "
+            "or use another checkpoint."
+        )
     version = metadata.get("format_version") if isinstance(metadata, dict) else None
     if version != FORMAT_VERSION:
         raise CheckpointError(
@@ -88,6 +122,13 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
     if missing:
         raise CheckpointError(
             f"{where} is incomplete: metadata lists {world_size} ranks, shard files for ranks {missing} are missing."
+        )
+    listed = {rank_file(rank) for rank in range(world_size)}
+    extra = sorted(p.name for p in directory.glob("rank_*.pt") if p.name not in listed)
+    if extra:
+        raise CheckpointError(
+            f"{where} has shard files {extra} that its metadata does not list (it lists {world_size} ranks): files of "
+            "another save were copied in. Remove them, or restore the checkpoint from a copy."
         )
     return metadata
 

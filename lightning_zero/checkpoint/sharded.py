@@ -34,12 +34,14 @@ from torch import Tensor
 from lightning_zero.checkpoint import state as named
 from lightning_zero.checkpoint.metadata import (
     COMPLETE_FILE,
+    FILES_KEY,
     LIGHTNING_FILE,
     METADATA_FILE,
     CheckpointError,
     build_metadata,
     check_same_model,
     check_same_optimizers,
+    file_digest,
     rank_file,
     read_metadata,
     write_metadata,
@@ -64,13 +66,23 @@ def save_sharded(
     token = comm.all_gather_object(uuid.uuid4().hex[:12] if comm.rank == 0 else None)[0]
     tmp = path.with_name(f"{path.name}.tmp-{token}")
     failure = None
+    digests: dict[str, dict[str, int]] = {}
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         with state.saving():  # offloaded state streamed from the swap file, not copied into memory
             rank_state = named.collect_rank_state(state, comm.rank, optimizers)
-            _write(tmp / rank_file(comm.rank), {"rank": comm.rank, "world_size": comm.world_size, **rank_state})
-            del rank_state
+            mine = {"rank": comm.rank, "world_size": comm.world_size, **rank_state}
+            digests[rank_file(comm.rank)] = _write(tmp / rank_file(comm.rank), mine)
+            del rank_state, mine
         if comm.rank == 0:
+            digests[LIGHTNING_FILE] = _write(tmp / LIGHTNING_FILE, extra)
+    except Exception as error:  # agreed below, then raised on every rank
+        failure = f"{type(error).__name__}: {error}"
+    outcomes = comm.all_gather_object((failure, digests))  # every rank's file is on disk, or who failed
+    _agree([failure for failure, _ in outcomes], f"writing the sharded checkpoint '{path}'", path, tmp, comm)
+    failure = None
+    if comm.rank == 0:
+        try:
             metadata = build_metadata(
                 version=version,
                 world_size=comm.world_size,
@@ -81,16 +93,10 @@ def save_sharded(
                 state_dict_keys=state.state_dict_keys(),
                 optimizers=state.optimizer_param_names() if optimizers else [],
                 optimizer_states=optimizers,
+                files={name: digest for _, theirs in outcomes for name, digest in theirs.items()},
             )
-            _write(tmp / LIGHTNING_FILE, extra)
             write_metadata(tmp, metadata)  # last: a directory without it is never taken for a checkpoint
             _sync(tmp / METADATA_FILE)
-    except Exception as error:  # agreed below, then raised on every rank
-        failure = f"{type(error).__name__}: {error}"
-    _agree(comm, failure, f"writing the sharded checkpoint '{path}'", path, tmp if comm.rank == 0 else None)
-    failure = None
-    if comm.rank == 0:
-        try:
             (tmp / COMPLETE_FILE).touch()  # every rank's shard is on disk: this directory is a checkpoint
             _sync(tmp)
             _commit(tmp, path, token)
@@ -98,22 +104,25 @@ def save_sharded(
             _remove_leftovers(path)
         except Exception as error:
             failure = f"{type(error).__name__}: {error}"
-    _agree(comm, failure, f"committing the sharded checkpoint '{path}' (renaming '{tmp.name}')", path, None)
+    what = f"committing the sharded checkpoint '{path}' (renaming '{tmp.name}')"
+    _agree(comm.all_gather_object(failure), what, path, None, comm)
 
 
-def _write(file: Path, obj: Any) -> None:
-    """``torch.save`` ``obj`` to ``file`` and flush it to the disk."""
+def _write(file: Path, obj: Any) -> dict[str, int]:
+    """``torch.save`` ``obj`` to ``file`` and flush it to the disk; returns its size and CRC-32 (see
+    [Note: checksums of a sharded checkpoint])."""
     torch.save(obj, file)
     _sync(file)
+    return file_digest(file)
 
 
-def _agree(comm: Communicator, failure: str | None, what: str, path: Path, remove: Path | None) -> None:
-    """Every rank learns whether any rank failed at ``what`` (the agreement is the save's barrier too); on a
-    failure every rank raises, naming the ranks and their errors, after ``remove`` is deleted."""
-    failures = {rank: error for rank, error in enumerate(comm.all_gather_object(failure)) if error}
+def _agree(failures_by_rank: list[str | None], what: str, path: Path, remove: Path | None, comm: Communicator) -> None:
+    """Raise on every rank, naming the ranks and their errors, where any rank failed at ``what`` (rank 0 first
+    deletes ``remove``, the new directory). ``failures_by_rank`` comes from one all-gather: the save's barrier."""
+    failures = {rank: error for rank, error in enumerate(failures_by_rank) if error}
     if not failures:
         return
-    if remove is not None:
+    if remove is not None and comm.rank == 0:
         shutil.rmtree(remove, ignore_errors=True)
     listed = "; ".join(f"rank {rank}: {error}" for rank, error in sorted(failures.items()))
     kept = "is unchanged" if path.is_dir() else "does not exist (nothing was saved there before)"
@@ -174,17 +183,51 @@ def remove_sharded(path: str | Path) -> None:
 
 
 class ShardedCheckpoint:
-    """A sharded checkpoint opened for reading: metadata checked, rank files opened lazily with ``mmap``."""
+    """A sharded checkpoint opened for reading: metadata checked, every file's size and checksum verified (see
+    [Note: checksums of a sharded checkpoint]), rank files opened lazily with ``mmap``.
 
-    def __init__(self, path: str | Path, check_all_files: bool = True) -> None:
+    Args:
+        path: the checkpoint directory.
+        check_all_files: open every rank file now, so that a corrupt one fails before anything is loaded.
+        comm: the ranks that open the checkpoint together: each verifies the checksums of its share of the files
+            and all agree on the outcome (collective); ``None``: this process verifies every file.
+    """
+
+    def __init__(self, path: str | Path, check_all_files: bool = True, comm: Communicator | None = None) -> None:
         self.path = committed_path(path)
         self.where = f"checkpoint '{self.path}'"
         self.metadata = read_metadata(self.path)
         self.tensors: dict[str, dict[str, Any]] = self.metadata["tensors"]
         self._files: dict[int, dict[str, Any]] = {}
+        self._verify(comm)
         if check_all_files:  # every rank checks every file, so a corrupt one fails on every rank alike
             for rank in range(self.metadata["world_size"]):
                 self.rank_data(rank)
+
+    def _verify(self, comm: Communicator | None) -> None:
+        """Every file's size (here) and CRC-32 (this rank's share of the files, agreed with ``comm``)."""
+        expected: dict[str, dict[str, int]] = self.metadata.get(FILES_KEY, {})  # absent: saved before checksums
+        errors = []
+        for index, (name, digest) in enumerate(sorted(expected.items())):
+            file = self.path / name
+            size = file.stat().st_size if file.is_file() else -1
+            if size != digest["bytes"]:
+                found = "is missing" if size < 0 else f"has {size} bytes"
+                errors.append(f"{name} {found}, the save wrote {digest['bytes']} (truncated or replaced)")
+            elif comm is None or index % comm.world_size == comm.rank:
+                crc = file_digest(file)["crc32"]
+                if crc != digest["crc32"]:
+                    errors.append(
+                        f"{name} has checksum {crc:08x}, the save wrote {digest['crc32']:08x} (its bytes changed, "
+                        "or it is a file of another checkpoint)"
+                    )
+        if comm is not None:
+            errors = sorted({error for theirs in comm.all_gather_object(errors) for error in theirs})
+        if errors:
+            raise CheckpointError(
+                f"{self.where} is damaged: {'; '.join(errors)}. Restore the files from a copy or use another "
+                "checkpoint: a model is never loaded from files that differ from what was saved."
+            )
 
     def rank_data(self, rank: int) -> dict[str, Any]:
         if rank not in self._files:

@@ -92,13 +92,36 @@ def _truncate(path: Path) -> None:
 
 
 def _bump_version(path: Path) -> None:
+    """A checkpoint of a future format (its metadata's checksum is right: a future version wrote it)."""
+    from lightning_zero.checkpoint.metadata import write_metadata
+
     metadata = json.loads((path / "metadata.json").read_text())
     metadata["format_version"] = 99
-    (path / "metadata.json").write_text(json.dumps(metadata))
+    write_metadata(path, {k: v for k, v in metadata.items() if k != "checksum"})
+
+
+def _flip_byte(file: Path, where: float = 0.5) -> None:
+    data = bytearray(file.read_bytes())
+    data[int(len(data) * where)] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+def _flip_a_range(path: Path) -> None:
+    """One number of the metadata changed (still valid JSON, another layout), its checksum left as it was."""
+    metadata = json.loads((path / "metadata.json").read_text())
+    ranges = next(spec["ranges"] for spec in metadata["tensors"].values() if len(spec["ranges"]) > 1)
+    ranges[0][2] += 1
+    ranges[1][1] += 1
+    (path / "metadata.json").write_text(json.dumps(metadata, indent=1))
+
+
+def _foreign_rank_file(path: Path) -> None:
+    shutil.copy(path.parent / "small_stage1" / "rank_1.pt", path / "rank_1.pt")
 
 
 def _on_ranks(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     from lightning_zero.checkpoint import ShardedCheckpoint, load_sharded_optimizers, load_sharded_params, save_sharded
+    from lightning_zero.core.comm import Communicator
 
     root = Path(directory)
     out: dict[str, Any] = {}
@@ -127,6 +150,19 @@ def _on_ranks(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     out["missing"] = _error_of(lambda: ShardedCheckpoint(missing))
     out["truncated"] = _error_of(lambda: ShardedCheckpoint(_damage(root, "truncated", _truncate)))
     out["version"] = _error_of(lambda: ShardedCheckpoint(_damage(root, "version", _bump_version)))
+    flipped = _damage(root, "flipped_rank", lambda p: _flip_byte(p / "rank_1.pt"))
+    out["flipped_rank"] = _error_of(lambda: ShardedCheckpoint(flipped))
+    # The ranks of a run share the checksums (each reads about a third here) and agree on the outcome.
+    out["flipped_rank_shared"] = _error_of(lambda: ShardedCheckpoint(flipped, comm=Communicator()))
+    out["flipped_metadata"] = _error_of(lambda: ShardedCheckpoint(_damage(root, "flipped_metadata", _flip_a_range)))
+    extra = _damage(root, "extra_rank", lambda p: shutil.copy(p / "rank_0.pt", p / "rank_3.pt"))
+    out["extra_rank"] = _error_of(lambda: ShardedCheckpoint(extra))
+    out["foreign_file"] = _error_of(lambda: ShardedCheckpoint(_damage(root, "foreign_file", _foreign_rank_file)))
+    no_lightning = _damage(root, "no_lightning", lambda p: (p / "lightning.pt").unlink())
+    out["no_lightning"] = _error_of(lambda: ShardedCheckpoint(no_lightning))
+    out["flipped_lightning"] = _error_of(
+        lambda: ShardedCheckpoint(_damage(root, "flipped_lightning", lambda p: _flip_byte(p / "lightning.pt", 0.9)))
+    )
     other = _engine(Small(hidden=12), stage=1)
     out["other_model"] = _error_of(lambda: load_sharded_params(other.named_state(), ShardedCheckpoint(root / "small")))
     big = nn.Sequential(*(nn.Linear(BIG_WIDTH, BIG_WIDTH, bias=False) for _ in range(BIG_LAYERS)))
@@ -168,7 +204,14 @@ def test_stage3_checkpoint_loads_exactly_at_every_stage(results: dict[str, Any],
     ("case", "expected"),
     [
         ("missing", "is incomplete: metadata lists 3 ranks, shard files for ranks [2] are missing."),
-        ("truncated", "shard file rank_1.pt is truncated or corrupt"),
+        ("truncated", "is damaged: rank_1.pt has "),
+        ("flipped_rank", "is damaged: rank_1.pt has checksum "),
+        ("flipped_rank_shared", "is damaged: rank_1.pt has checksum "),
+        ("flipped_metadata", "metadata.json is damaged (its checksum does not match its contents)"),
+        ("extra_rank", "has shard files ['rank_3.pt'] that its metadata does not list (it lists 3 ranks)"),
+        ("foreign_file", "is damaged: rank_1.pt has "),
+        ("no_lightning", "is damaged: lightning.pt is missing"),
+        ("flipped_lightning", "is damaged: lightning.pt has checksum "),
         ("version", "has format version 99, this lightning_zero reads version 1"),
         ("other_model", "is of a different model: tensor 'a.weight' has shape [11, 7] there, [12, 7] here."),
     ],
@@ -179,6 +222,7 @@ def test_damaged_checkpoint_raises_a_clear_error_on_every_rank(
     for rank, result in enumerate(results["per_rank"]):
         assert expected in result[case], f"rank {rank}: {result[case]}"
         assert result[case].startswith("CheckpointError: checkpoint '")
+        assert result[case] == results["per_rank"][0][case]  # the same error on every rank
 
 
 CONSOLIDATE = """
