@@ -37,6 +37,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from lightning_zero.core.comm import Communicator
+from lightning_zero.core.divergence import GatherSequence
 from lightning_zero.core.stage3 import GatherUnit
 
 
@@ -54,6 +55,9 @@ class Stage3Scheduler:
         self.root = units[-1]
         self.comm = comm
         self.prefetch = prefetch
+        self._index = {unit: index for index, unit in enumerate(units)}
+        device = next((b.data.device for u in units for b in u.buffers), torch.device("cpu"))
+        self.sequence = GatherSequence(comm, [unit.name for unit in units], device)  # see its note
         self._recorded: list[GatherUnit] = []  # units whose outputs need backward, in order of forward end
         self._plan: list[GatherUnit] = []  # the current backward's entries (reversed _recorded)
         self._cursor = 0  # next entry of _plan to issue
@@ -99,8 +103,20 @@ class Stage3Scheduler:
             unit.remove_hooks()
 
     # ------------------------------------------------------------------ between steps
+    def _start(self, unit: GatherUnit) -> None:
+        """Start gathering ``unit`` (a no-op when gathered or started, on every rank alike), once every rank agreed
+        that it gathers this unit now (see [Note: divergent control flow at stage 3])."""
+        if not unit.gathered_or_pending:
+            self.sequence.check(self._index[unit])
+            unit.start_unshard(self.comm)
+
+    def _unshard(self, unit: GatherUnit) -> None:
+        self._start(unit)
+        unit.wait()
+
     def begin_iteration(self) -> None:
         """Free every unit and forget any plan: a pass that raised left it (see :meth:`abandon_backward`)."""
+        self.sequence.begin_iteration()
         self.abandon_backward()
         self._recorded = []
         self._clear_plan()
@@ -111,7 +127,7 @@ class Stage3Scheduler:
 
     def unshard_root(self) -> None:
         """Gather the root unit: Lightning's step methods use it without calling the root's forward."""
-        self.root.unshard(self.comm)
+        self._unshard(self.root)
 
     def reshard_all(self) -> None:
         """Free every unit, the root too; a step (or an evaluation batch) is over. Forwards no backward followed
@@ -142,7 +158,7 @@ class Stage3Scheduler:
     def gathered(self) -> Iterator[None]:
         """Every unit gathered inside the block (collective)."""
         for unit in self.units:
-            unit.start_unshard(self.comm)
+            self._start(unit)
         for unit in self.units:
             unit.wait()
         try:
@@ -157,7 +173,7 @@ class Stage3Scheduler:
             if _in_backward():  # activation checkpointing recomputes inside backward
                 self._need(unit)
                 return
-            unit.unshard(self.comm)
+            self._unshard(unit)
             self._seen.append(unit)
             self._prefetch_forward(unit)
 
@@ -222,7 +238,7 @@ class Stage3Scheduler:
             return
         self._forward_cursor = position + 1
         if position + 1 < len(self._order):
-            self._order[position + 1].start_unshard(self.comm)
+            self._start(self._order[position + 1])
         if position + 2 < len(self._order):
             self._order[position + 2].read_ahead()  # shards resting on disk: read while this unit computes
 
@@ -249,7 +265,7 @@ class Stage3Scheduler:
         if torch.is_grad_enabled():  # torch.autograd.grad(create_graph=True): its graph may use the unit again
             self._pinned.add(unit)
         if unit.is_root:
-            unit.unshard(self.comm)
+            self._unshard(unit)
             return
         if self._remaining[unit]:
             while self._issue_next() is not unit:
@@ -259,7 +275,7 @@ class Stage3Scheduler:
                 if self._cursor < len(self._plan):
                     self._plan[self._cursor].read_ahead()
         elif not self._plan_open:
-            unit.unshard(self.comm)  # no backward was announced: gathered when needed (see the note)
+            self._unshard(unit)  # no backward was announced: gathered when needed (see the note)
         elif not unit.gathered_or_pending:
             raise RuntimeError(
                 f"ZeroStrategy(stage=3): unit {unit.name!r} is needed by this backward pass, but no forward since the "
@@ -273,7 +289,7 @@ class Stage3Scheduler:
         unit = self._plan[self._cursor]
         self._cursor += 1
         self._remaining[unit] -= 1
-        unit.start_unshard(self.comm)  # issues nothing when still gathered, on every rank alike
+        self._start(unit)  # issues nothing when still gathered, on every rank alike
         return unit
 
     def _pass_ended(self) -> None:
