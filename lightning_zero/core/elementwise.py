@@ -11,6 +11,11 @@ train silently wrong on pieces. :func:`check_elementwise` steps a copy of each o
 gives the same values (up to the last bits of differently vectorised loops); any other differs by far more, or
 cannot step a 1-D piece at all. Every rank probes alike and raises alike, before the first collective that
 depends on it.
+
+``partition="parameter"`` gives each rank whole tensors, but not all of them: :func:`check_per_tensor` steps two
+matrices together in one copy, and each alone in a copy of its own, as owners hold them. An optimizer whose update
+of a tensor depends on that tensor alone (Muon, Adafactor, LAMB, and every element-wise one) gives the same
+values; one that combines its tensors (a global norm, L-BFGS) does not, and is refused under either partition.
 """
 
 from __future__ import annotations
@@ -38,13 +43,7 @@ class NotElementwiseError(ValueError):
 def check_elementwise(optimizer: Optimizer, index: int) -> None:
     """Raise :class:`NotElementwiseError` (a ``ValueError``) unless every param group of ``optimizer`` (the
     ``index``-th) steps pieces of a tensor as it steps the whole. See [Note: the element-wise probe]."""
-    seen: set[str] = set()
-    for group_index, group in enumerate(optimizer.param_groups):
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        key = repr(sorted(hyper.items(), key=lambda item: item[0]))
-        if key in seen:
-            continue
-        seen.add(key)
+    for group_index, hyper in _distinct_groups(optimizer):
         reason = _probe(optimizer, hyper)
         if reason is not None:
             name = type(optimizer).__name__
@@ -55,6 +54,55 @@ def check_elementwise(optimizer: Optimizer, index: int) -> None:
                 f"{name} (each tensor stepped whole by one rank), or an element-wise optimizer (SGD, Adam, AdamW, "
                 "Adagrad, RMSprop, ...)."
             )
+
+
+def check_per_tensor(optimizer: Optimizer, index: int) -> None:
+    """Raise :class:`NotElementwiseError` (a ``ValueError``) unless every param group of ``optimizer`` steps each
+    of its tensors as if it held that tensor alone (``partition="parameter"``). See [Note: the element-wise probe]."""
+    for group_index, hyper in _distinct_groups(optimizer):
+        reason = _probe_per_tensor(optimizer, hyper)
+        if reason is not None:
+            raise NotElementwiseError(
+                f"optimizer {index} ({type(optimizer).__name__}), param group {group_index}, combines its tensors: "
+                f"{reason}. ZeroStrategy(partition='parameter') gives each rank whole tensors but not all of them, so "
+                "it would train a different model. Use an optimizer whose update of a tensor depends on that tensor "
+                "alone (Muon, Adafactor, SGD, Adam, AdamW, ...)."
+            )
+
+
+def _distinct_groups(optimizer: Optimizer) -> list[tuple[int, dict[str, Any]]]:
+    """``(index, hyper-parameters)`` of the param groups, one per distinct set of hyper-parameters."""
+    found, seen = [], set()
+    for group_index, group in enumerate(optimizer.param_groups):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        key = repr(sorted(hyper.items(), key=lambda item: item[0]))
+        if key not in seen:
+            seen.add(key)
+            found.append((group_index, hyper))
+    return found
+
+
+def _probe_per_tensor(optimizer: Optimizer, hyper: dict[str, Any]) -> str | None:
+    """Why the optimizer's update of a tensor depends on its other tensors, or ``None``."""
+    generator = torch.Generator().manual_seed(1)
+    starts = [torch.randn(SHAPE, generator=generator), torch.randn(SHAPE[::-1], generator=generator)]
+    scales = (1.0, 30.0)  # tensors of very different gradient size, so a shared statistic shows
+    grads = [[torch.randn(s.shape, generator=generator) * c for s, c in zip(starts, scales, strict=True)]]
+    grads = grads * STEPS
+    try:
+        together = _run(optimizer, hyper, starts, grads)
+        alone = [_run(optimizer, hyper, [start], [[g[i]] for g in grads])[0] for i, start in enumerate(starts)]
+    except Exception as error:  # e.g. one that needs every parameter in one call (and so cannot be sharded)
+        return f"it cannot step two {SHAPE[0]}x{SHAPE[1]} matrices apart ({type(error).__name__}: {error})"
+    for start, both, one in zip(starts, together, alone, strict=True):
+        update = (both - start).abs().max()
+        difference = (both - one).abs().max()
+        if difference > RELATIVE_TOLERANCE * update:
+            return (
+                f"stepped on two matrices held by separate copies it moved them up to {float(difference / update):.1%} "
+                "of its largest update away from the same steps on both together"
+            )
+    return None
 
 
 def _probe(optimizer: Optimizer, hyper: dict[str, Any]) -> str | None:

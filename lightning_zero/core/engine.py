@@ -42,7 +42,7 @@ from lightning_zero.core import named_state
 from lightning_zero.core.buckets import BucketState, GradBucket, GradReducer
 from lightning_zero.core.changes import ChangeWatch
 from lightning_zero.core.comm import CommStats, Communicator
-from lightning_zero.core.elementwise import check_elementwise
+from lightning_zero.core.elementwise import check_elementwise, check_per_tensor
 from lightning_zero.core.flat_buffer import FlatParamBuffer
 from lightning_zero.core.groups import Topology
 from lightning_zero.core.loss_weight import LossWeights
@@ -166,8 +166,9 @@ class ZeroEngine:
     # ------------------------------------------------------------------ setup
     def _check_optimizers(self) -> None:
         for index, optimizer in enumerate(self.optimizers):
-            if self.options.partition == "flat":
-                check_elementwise(optimizer, index)  # flat pieces: see [Note: the element-wise probe]
+            # Flat pieces, or whole tensors apart: see [Note: the element-wise probe].
+            check = check_elementwise if self.options.partition == "flat" else check_per_tensor
+            check(optimizer, index)
             for group_index, group in enumerate(optimizer.param_groups):
                 for param in group["params"]:
                     if param not in self.names:

@@ -33,11 +33,15 @@ def describe(optimizer: Optimizer) -> list[list[tuple[str, Any]]]:
 
 
 def _plain(value: Any) -> Any:
+    """A value every rank can compare: numbers, strings and their tuples as they are; other objects (a function,
+    whose ``repr`` holds a per-process address) by their type."""
     if isinstance(value, Tensor):
         return value.item() if value.numel() == 1 else tuple(value.flatten().tolist())
     if isinstance(value, list | tuple):
         return tuple(_plain(v) for v in value)
-    return value
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
 class HyperparameterAgreement:
