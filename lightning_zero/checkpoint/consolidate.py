@@ -169,6 +169,8 @@ def _optimizer(checkpoint: ShardedCheckpoint, index: int, storages: list[_LazySt
         entry = dict(scalars[name])
         for key in entry.pop("__tensor_keys__"):
             entry[key] = _lazy(checkpoint, storages, (index, key), name)
+        for key in entry.pop("__whole_keys__", []):  # saved whole by the owner (Adafactor's factors): small
+            entry[key] = checkpoint.read_whole((index, key), name).clone()
         state[position] = entry
     param_groups, start = [], 0
     for hyper, group in zip(checkpoint.param_groups(index), groups, strict=True):

@@ -99,9 +99,10 @@ def _third(rank: int, world_size: int, root: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("partition_checkpoints")
     return {
+        "root": root,
         "first": run_on_ranks(_first, 2, root),
         "second": run_on_ranks(_second, 3, root),
         "third": run_on_ranks(_third, 2, root),
@@ -136,6 +137,19 @@ def test_resume_across_partitions_world_sizes_and_stages(
     reference = runs[saved_in][0][saved]
     for per_rank in runs[loaded_in]:
         _assert_same(reference, per_rank[loaded])
+
+
+def test_consolidated_adafactor_checkpoint_holds_the_whole_factors(
+    runs: dict[str, list[Any]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    import lightning_zero
+
+    root = Path(runs["root"])
+    out = tmp_path_factory.mktemp("consolidated") / "adafactor.ckpt"
+    lightning_zero.consolidate(root / "owner_adafactor", out)
+    consolidated = torch.load(out, weights_only=False)
+    saved = runs["first"][0]["owner_adafactor"]
+    _assert_same(saved, {"params": consolidated["state_dict"], "optimizer": consolidated["optimizer_states"][0]})
 
 
 def test_adafactor_factors_are_saved_whole_and_refused_by_flat_pieces(runs: dict[str, list[Any]]) -> None:
