@@ -37,6 +37,10 @@ its buckets, 16Ψ bytes of model states), ``ddp_copy`` (DDP defaults: a separate
 gradients, 4Ψ more that the tensor count does not see), ``zero1``, ``zero2``, ``zero3``, ``fsdp2``, and
 ``zero1_torch`` (DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer`` over AdamW, PyTorch's stage 1).
 
+Systems with whole-tensor owners (``partition="parameter"``): ``zero1_owner``-``zero3_owner`` and their
+``_bf16`` variants; the summary adds the trained elements of the most and least loaded rank
+(``owned_elements_max_min``); their formula is the flat one (the most loaded rank's excess is the imbalance).
+
 Systems, bf16-mixed (forward and loss under ``torch.autocast(dtype=torch.bfloat16)``, gradients reduced
 in fp32, AdamW updating fp32 values): ``ddp_bf16`` (as ``ddp``, with fp32 parameters: what Lightning's
 DDP does for ``precision="bf16-mixed"``; 16Ψ), ``zero1_bf16``, ``zero2_bf16``, ``zero3_bf16`` (the
@@ -138,6 +142,10 @@ _OFFLOADED = tuple(
     f"zero{stage}{suffix}" for suffix in OFFLOADS for stage in (1, 2, 3) if stage == 3 or "params" not in suffix
 )
 SYSTEMS = (*SYSTEMS, *_OFFLOADED, *(f"{name}{BF16}" for name in _OFFLOADED))
+# Whole-tensor owners (partition="parameter"): "zero2_owner", "zero2_owner_bf16", ...
+OWNER = "_owner"
+_OWNERS = tuple(f"zero{stage}{OWNER}" for stage in (1, 2, 3))
+SYSTEMS = (*SYSTEMS, *_OWNERS, *(f"{name}{BF16}" for name in _OWNERS))
 # base1-base3: an earlier commit's core, imported under the package name in this variable (see ab_core.py).
 BASELINE_ENV = "BENCH_BASELINE_PACKAGE"
 RSS_VARIANTS = {"as-is": {}, "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
@@ -164,6 +172,11 @@ def offload_of(name: str) -> tuple[str | bool, str | bool]:
         if base.endswith(suffix):
             return offload
     return False, False
+
+
+def partition_of(name: str) -> str:
+    """``zero2_owner_bf16`` -> ``"parameter"``; every other system shards ``"flat"``."""
+    return "parameter" if base_system(name).endswith(OWNER) else "flat"
 
 
 def same_precision_ddp(name: str) -> str:
@@ -408,6 +421,7 @@ class ZeroSystem(System):
             offload_optimizer=target,
             offload_params=params,
             nvme_path=getattr(args, "nvme_path", None),
+            partition=partition_of(name),
         )
         self.policy = PrecisionPolicy(torch.bfloat16, torch.float32, torch.float32) if self.bf16 else None
         self.engine = ZeroEngine(
@@ -447,6 +461,11 @@ class ZeroSystem(System):
 
     def comm_bytes(self) -> int:
         return self.last_comm["nbytes"]
+
+    def owned_elements(self) -> tuple[int, int]:
+        """Trained elements of the most and least loaded rank (their AdamW state is 8 bytes each)."""
+        report = self.engine.memory_report()
+        return report.owned_max, report.owned_min
 
     def full_state(self) -> dict[str, Tensor]:
         if self.policy is None:
@@ -577,7 +596,7 @@ def formula_bytes(name: str, numel: int, world_size: int) -> float:
         stage = int(base_system(name)[4])
         on_device = 0 if params else (width * psi / n if stage == 3 else width * psi)
         return on_device + (width * psi / n if stage >= 2 else width * psi)
-    base = base_system(name).replace("base", "zero")  # a baseline core shards as the stage it is
+    base = base_system(name).replace("base", "zero").removesuffix(OWNER)  # a baseline core / owners: the stage
     if base.startswith("ddp"):  # ddp_bf16 too: fp32 parameters, gradients and AdamW states
         return 16 * psi
     if is_bf16(name):  # bf16 parameters (2) and gradients (2); fp32 master (4) and AdamW states (8)
@@ -690,6 +709,7 @@ def timing_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[st
             "memory": system.memory(),
             "comm_nbytes": system.comm_bytes(),
             "comm_detail": getattr(system, "last_comm", None),
+            "owned_elements": system.owned_elements() if hasattr(system, "owned_elements") else None,
             "numel": sum(t.numel() for t in full.values()),
             "param_diff_reference": reference,
         }
@@ -943,6 +963,7 @@ def summarize(args: argparse.Namespace, timing: list[dict[str, Any]], rss: dict[
             "measured_over_formula": max(totals) / formula,
             "comm_bytes_per_step": [r["systems"][name]["comm_nbytes"] for r in timing],
             "comm_detail": info["comm_detail"],
+            "owned_elements_max_min": info.get("owned_elements"),
             "max_rel_param_diff": max(r["systems"][name].get("max_rel_param_diff", float("nan")) for r in timing),
             "max_abs_param_diff": max(r["systems"][name].get("max_abs_param_diff", float("nan")) for r in timing),
             "bitwise_equal": all(r["systems"][name].get("bitwise_equal", False) for r in timing),
