@@ -106,7 +106,7 @@ class Stage3Scheduler:
     def _start(self, unit: GatherUnit) -> None:
         """Start gathering ``unit`` (a no-op when gathered or started, on every rank alike), once every rank agreed
         that it gathers this unit now (see [Note: divergent control flow at stage 3])."""
-        if not unit.gathered_or_pending:
+        if unit.buffers and not unit.gathered_or_pending:  # a unit without parameters gathers nothing, anywhere
             self.sequence.check(self._index[unit])
             unit.start_unshard(self.comm)
 

@@ -84,6 +84,36 @@ def test_ranks_on_different_paths_raise_the_same_error_on_every_rank(case: str, 
     assert results[0]["error"] == results[1]["error"]
 
 
+def _idle_rank(rank: int, world_size: int) -> str:
+    """Rank 1's loss reaches no parameter in one iteration (its backward reaches no unit; the root, a Sequential,
+    holds no parameter): legal, and it must not be taken for another path, nor wait in a tag exchange."""
+    from lightning_zero.core.comm import Communicator
+    from lightning_zero.core.engine import ZeroEngine
+    from lightning_zero.core.options import EngineOptions
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 16), nn.Tanh(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [optimizer], EngineOptions(stage=3, wrap_policy={nn.Linear}), Communicator())
+    for step in range(3):
+        engine.begin_iteration()
+        optimizer.zero_grad()
+        for micro in range(2):
+            out = model(torch.randn(4, 7, generator=torch.Generator().manual_seed(10 * step + micro)))
+            idle = rank == 1 and micro == 0 and step == 1
+            loss = 0 * out.detach().requires_grad_().sum() if idle else out.pow(2).mean()
+            engine.scale_loss(loss).backward()
+            engine.finish_backward()
+        optimizer.step()
+        engine.reshard_all()
+    return "trained"
+
+
+def test_a_rank_whose_loss_reaches_no_parameter_is_not_divergent() -> None:
+    assert run_on_ranks(_idle_rank, 2, init_group=False) == ["trained", "trained"]
+
+
 def test_the_same_path_trains_and_costs_one_small_exchange_per_gather() -> None:
     results = run_on_ranks(_run, 2, "same", True, init_group=False)
     for result in results:
