@@ -105,7 +105,8 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
         metadata = json.loads(path.read_text())
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{where}: {METADATA_FILE} is corrupt ({error}). Use another checkpoint.") from error
-    if isinstance(metadata, dict) and CHECKSUM_KEY in metadata and metadata[CHECKSUM_KEY] != _crc_of(metadata):
+    checksum = metadata.pop(CHECKSUM_KEY, None) if isinstance(metadata, dict) else None  # absent: saved before it
+    if checksum is not None and checksum != _crc_of(metadata):
         raise CheckpointError(
             f"{where}: {METADATA_FILE} is damaged (its checksum does not match its contents): restore it from a copy "
             "or use another checkpoint."

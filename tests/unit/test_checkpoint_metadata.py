@@ -49,6 +49,22 @@ def test_complete_metadata_reads_back(tmp_path: Path) -> None:
     assert written["format_version"] == FORMAT_VERSION
 
 
+def test_metadata_changed_after_writing_is_refused(tmp_path: Path) -> None:
+    _write(tmp_path / "ckpt")
+    file = tmp_path / "ckpt" / "metadata.json"
+    changed = json.loads(file.read_text())
+    changed["stage"] = 2  # valid JSON and a valid value: only the checksum can tell
+    file.write_text(json.dumps(changed))
+    with pytest.raises(CheckpointError, match=r"metadata\.json is damaged"):
+        read_metadata(tmp_path / "ckpt")
+
+
+def test_a_rank_file_the_metadata_does_not_list_is_refused(tmp_path: Path) -> None:
+    _write(tmp_path / "ckpt", world_size=2, ranks=(0, 1, 2))
+    with pytest.raises(CheckpointError, match=r"has shard files \['rank_2.pt'\] that its metadata does not list"):
+        read_metadata(tmp_path / "ckpt")
+
+
 def test_missing_rank_files_are_listed(tmp_path: Path) -> None:
     _write(tmp_path / "ckpt", world_size=4, ranks=(0, 1, 2))
     message = f"checkpoint '{tmp_path / 'ckpt'}' is incomplete: metadata lists 4 ranks, shard files for ranks [3]"
