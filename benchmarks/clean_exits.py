@@ -6,10 +6,10 @@ Run on demand, from the repository root::
     python benchmarks/clean_exits.py --runs 100 --out benchmarks/out/clean_exits.json
     python benchmarks/clean_exits.py --runs 100 --strategy ddp_spawn     # Lightning's DDP, for comparison
 
-Each run is a fresh interpreter (``python -c``) that fits a small two-layer model for 3 steps on 2 CPU ranks
-(``ZeroStrategy(stage=..., start_method=...)``, default stage 3 and ``"spawn"``). torch's process launcher raises
-in the main process when a rank ends with a signal or a non-zero status, so the main process's status covers the
-ranks; its stderr is searched for an abort as well.
+Each run is a fresh interpreter (a script in a temporary directory) that fits a small two-layer model for 3
+steps on 2 CPU ranks (``ZeroStrategy(stage=..., start_method=...)``, default stage 3 and ``"spawn"``). torch's
+process launcher raises in the main process when a rank ends with a signal or a non-zero status, so the main
+process's status covers the ranks; its stderr is searched for an abort as well.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,11 +64,13 @@ def main() -> None:
         if args.strategy == "zero"
         else repr(args.strategy)
     )
-    script = FIT.replace("{strategy}", strategy)
+    # A file, not `python -c`: spawned ranks import the main module to unpickle the model's class.
+    script = Path(tempfile.mkdtemp(prefix="lz-exits-")) / "fit.py"
+    script.write_text(FIT.replace("{strategy}", strategy))
     failures, seconds = [], []
     for run in range(args.runs):
         start = time.monotonic()
-        done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+        done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300)
         seconds.append(time.monotonic() - start)
         aborted = [word for word in ABORTS if word in done.stderr]
         if done.returncode != 0 or aborted:

@@ -70,8 +70,11 @@ def _run(rank: int, world_size: int, case: str, prefetch: bool) -> dict[str, Any
     return {"error": None, "steps": steps, "agree_bytes": agree_bytes, "gathers": gathers}
 
 
-@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
-@pytest.mark.parametrize("case", [c for c in PATHS if c != "same"])
+# Every divergent path with prefetch (the default), and one without it.
+DIVERGENT = [(c, True) for c in PATHS if c != "same"] + [("other_order_on_rank_1", False)]
+
+
+@pytest.mark.parametrize(("case", "prefetch"), DIVERGENT)
 def test_ranks_on_different_paths_raise_the_same_error_on_every_rank(case: str, prefetch: bool) -> None:
     results = run_on_ranks(_run, 2, case, prefetch, init_group=False)
     for rank, result in enumerate(results):
