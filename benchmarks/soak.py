@@ -5,6 +5,7 @@ Run on demand, from the repository root::
 
     python benchmarks/soak.py --steps 1000 --out benchmarks/out/soak.json
     python benchmarks/soak.py --steps 1000 --fits 3 --out benchmarks/out/soak_fits.json   # three fits, one engine
+    python benchmarks/soak.py --steps 200 --lightning-fits 3 --variant mmap64k   # one Trainer, three trainer.fit
 
 Each rank drives :class:`~lightning_zero.core.engine.ZeroEngine` in a plain loop (the loop Lightning's glue runs:
 ``begin_iteration``, ``scale_loss``, backward, ``finish_backward``, step, ``reshard_all``) on the example GPT
@@ -19,10 +20,12 @@ with ``remove_hooks``/``register_hooks`` between them as the strategy's teardown
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +91,60 @@ def rank_loop(rank: int, world_size: int, args: argparse.Namespace) -> dict[str,
     return {"records": records, "params": sum(p.numel() for p in model.parameters()), "loss": float(loss)}
 
 
+def lightning_fits(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``--lightning-fits N``: one ``Trainer`` (ZeroStrategy stage 3) fits the example GPT N times, ``--steps`` more
+    steps each time (``trainer.fit`` again with a larger ``max_steps``); RSS after each fit (after ``gc.collect``),
+    and whether the first fit's engine is still alive at the end."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader
+
+    from examples.gpt import ByteWindows, GPTLightningModule
+    from lightning_zero import ZeroStrategy
+
+    class Record(pl.Callback):
+        def __init__(self) -> None:
+            self.rss: list[int] = []
+
+        def on_train_batch_end(self, *unused: Any) -> None:
+            self.rss.append(rss_bytes())
+
+    pl.seed_everything(0)
+    data = torch.tensor(list((REPO / "examples" / "data" / "tiny_corpus.txt").read_bytes()), dtype=torch.long)
+    loader = DataLoader(ByteWindows(data, 64, stride=8), batch_size=args.batch_size)
+    model = GPTLightningModule(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, warmup_steps=1)
+    record = Record()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ZeroStrategy(stage=3),
+        max_steps=args.steps,
+        callbacks=[record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    after_fit = []
+    first_engine = None
+    for fit in range(args.lightning_fits):
+        trainer.fit_loop.epoch_loop.max_steps = args.steps * (fit + 1)
+        trainer.fit(model, loader)
+        gc.collect()  # what an earlier fit left in reference cycles is not counted as kept
+        after_fit.append(rss_bytes())
+        if fit == 0:
+            engine = trainer.strategy._engine
+            first_engine = weakref.ref(engine) if engine is not None else None
+    alive = first_engine is not None and first_engine() is not None and first_engine() is not trainer.strategy._engine
+    return {
+        "after_fit_mib": [v / 2**20 for v in after_fit],
+        "steps": len(record.rss),
+        "last_step_mib": record.rss[-1] / 2**20,
+        "first_fit_engine_alive": alive,
+    }
+
+
 def summarize(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"params": per_rank[0]["params"], "final_loss": per_rank[0]["loss"], "ranks": []}
     per_fit = args.steps
@@ -120,13 +177,17 @@ def main() -> None:
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--variant", choices=["as-is", "mmap64k", "both"], default="both")
+    parser.add_argument("--lightning-fits", type=int, default=0, help="instead: one Trainer fits N times")
     parser.add_argument("--out")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         from tests.helpers import run_on_ranks
 
-        print(json.dumps(summarize(run_on_ranks(rank_loop, 2, args), args)))
+        if args.lightning_fits:
+            print(json.dumps(run_on_ranks(lightning_fits, 2, args, init_group=False)))
+        else:
+            print(json.dumps(summarize(run_on_ranks(rank_loop, 2, args), args)))
         return
     results = {}
     variants = ["as-is", "mmap64k"] if args.variant == "both" else [args.variant]
@@ -137,6 +198,10 @@ def main() -> None:
         command = [sys.executable, __file__, "--child", *sys.argv[1:]]
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
         results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
+        if args.lightning_fits:
+            for rank, r in enumerate(results[variant]):
+                print(f"{variant:8s} rank {rank}: RSS after each fit {[round(v, 2) for v in r['after_fit_mib']]} MiB")
+            continue
         for rank, r in enumerate(results[variant]["ranks"]):
             print(
                 f"{variant:8s} rank {rank}: RSS {r['rss_mib_after_warmup']:.1f} -> {r['rss_mib_last']:.1f} MiB, slope "
