@@ -133,9 +133,8 @@ def lightning_fits(rank: int, world_size: int, args: argparse.Namespace) -> dict
         trainer.fit(model, loader)
         gc.collect()  # what an earlier fit left in reference cycles is not counted as kept
         after_fit.append(rss_bytes())
-        if fit == 0:
-            engine = trainer.strategy._engine
-            first_engine = weakref.ref(engine) if engine is not None else None
+        if fit == 0 and trainer.strategy._engine is not None:  # no local name for it: that would keep it alive
+            first_engine = weakref.ref(trainer.strategy._engine)
     alive = first_engine is not None and first_engine() is not None and first_engine() is not trainer.strategy._engine
     return {
         "after_fit_mib": [v / 2**20 for v in after_fit],
