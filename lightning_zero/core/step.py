@@ -273,10 +273,8 @@ class OptimizerStep:
                 entry.param.grad = None
                 entry.param.data = buffer.shaped(entry.store.step_view(entry.slot), entry.slot)
                 # A tensor another rank owns whole gets no grad: no state here (see [Note: owner layout]).
-                stepped = (
-                    finite and not entry.store.paged and grad is not None and not buffer.owned_elsewhere(entry.slot)
-                )
-                entry.param.grad = buffer.shaped(grad, entry.slot) if stepped and grad is not None else None
+                stepped = finite and grad is not None and not buffer.owned_elsewhere(entry.slot)  # (paged: None)
+                entry.param.grad = buffer.shaped(grad, entry.slot) if stepped else None
             if finite and self._paged:
                 self._step_paged()
 
