@@ -124,6 +124,13 @@ class GradBucket(ABC):
             self._arrived[slot] = True
             self._missing -= 1
 
+    def skip(self, slot: int) -> None:
+        """Parameter ``slot`` gets no gradient in this pass (the graph does not reach it): the bucket no longer
+        waits for it. See [Note: units a backward passes over]."""
+        if self.state is not BucketState.LAUNCHED and not self._arrived[slot]:
+            self._arrived[slot] = True
+            self._missing -= 1
+
     def launch(self) -> None:
         """Start the asynchronous reduce-scatter of this bucket."""
         if self.state is BucketState.IDLE:
@@ -269,6 +276,16 @@ class GradReducer:
         param.grad = None
         if bucket.ready and self.on_bucket_ready is not None:
             self.on_bucket_ready(bucket_index)
+        if self.reducing and self.overlap_comm:
+            self._launch_ready()
+
+    def skip(self, bucket: GradBucket, slots: Sequence[int]) -> None:
+        """``bucket``'s parameters ``slots`` get no gradient in this pass: launch what that completes, in order."""
+        was_ready = bucket.ready
+        for slot in slots:
+            bucket.skip(slot)
+        if bucket.ready and not was_ready and self.on_bucket_ready is not None:
+            self.on_bucket_ready(self.buckets.index(bucket))
         if self.reducing and self.overlap_comm:
             self._launch_ready()
 

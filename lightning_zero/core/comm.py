@@ -124,14 +124,12 @@ class Communicator:
         source = dist.get_global_rank(self.group, src) if self.group else src
         self._guarded(self._what("broadcast", tensor), dist.broadcast, tensor, src=source, group=self.group)
 
-    def exchange_tags(self, tag: Sequence[int], device: torch.device) -> list[list[int]]:
-        """Every rank's ``tag`` (a few integers, the same count on every rank), counted under ``"agree"``."""
-        mine = torch.tensor(list(tag), dtype=torch.int64, device=device)
-        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64, device=device)
+    def exchange_tags(self, mine: Tensor, everyone: Tensor) -> None:
+        """Every rank's ``mine`` (a few int64, the same count on every rank) into ``everyone``, counted under
+        ``"agree"``."""
         self.stats.add("agree", everyone.numel() * everyone.element_size())
         what = self._what("all-gather", everyone) + " (of stage-3 gather tags)"
         self._guarded(what, _all_gather_single, everyone, mine, group=self.group)
-        return everyone.view(self.world_size, -1).tolist()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size

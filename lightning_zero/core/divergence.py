@@ -3,16 +3,29 @@
 [Note: divergent control flow at stage 3]
 Every rank must gather the same units in the same order (see [Note: stage-3 backward plan]). A forward that
 exits early on one rank, runs a unit a different number of times (generation), or routes through other units
-breaks that: the gathers of different units are matched with each other, which deadlocks (different sizes) or,
-worse, silently mixes two units' shards (equal sizes, as repeated blocks have). So before each unit's gather the
-ranks exchange a tag of three integers (iteration, gather number in it, unit), in one small all-gather on the
-gather group, and compare: where they differ, every rank raises the same :class:`DivergentControlFlowError`
-naming the iteration, the gather and each rank's unit, before any shard moves. It costs one all-gather of
-``24 x world_size`` bytes per unit gather.
+breaks that: the gathers of different units are matched with each other, which aborts the process (gloo, different
+sizes: "Received data size doesn't match expected size", measured), hangs, or, worse, silently mixes two units'
+shards (equal sizes, as repeated blocks have). So before each unit's gather in forward (and any gather outside a
+backward plan) the ranks exchange a tag of three integers (iteration, gather number in it, unit), in one small
+all-gather on the gather group, and compare: where they differ, every rank raises the same
+:class:`DivergentControlFlowError` naming the iteration, the gather and each rank's unit, before any shard moves.
+It costs one all-gather of ``24 x world_size`` bytes per forward unit gather, into tensors made once.
+
+The tag cannot travel inside the unit's own all-gather: a unit's gather writes straight into its flat buffer (no
+copy in or out), and a mismatched gather of another size aborts the process before any tag could be read, so the
+check must complete before the gather is issued. A backward's gathers need no tags: they follow the plan (see
+[Note: stage-3 backward plan]), so a backward that differs between ranks (a loss reaching some units or none)
+issues the same gathers in the same order, and is legal. What must agree is the plan itself, the units whose
+forwards recorded an entry: forwards that used the same gathered units in another order (prefetch gathered them
+in the agreed order) record different plans. So when a plan opens (every rank announces its backward) the ranks
+exchange one more tag, (iteration, ``-1 - len(plan)``, CRC-32 of the plan's units): a rank still gathering in
+forward, or one whose forward recorded other units, differs from it. Where tags differ, the ranks exchange a
+description of what each was doing (an all-gather of Python objects, on the error path only) for the message.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 import torch
@@ -32,7 +45,8 @@ class DivergentControlFlowError(RuntimeError):
 
 
 class GatherSequence:
-    """Numbers every stage-3 gather and checks that all ranks gather the same unit at each. See the note above.
+    """Numbers every checked stage-3 gather and checks that all ranks gather the same unit at each, and start each
+    backward with the same plan. See the note above.
 
     Args:
         comm: the gather group.
@@ -46,6 +60,9 @@ class GatherSequence:
         self.device = device
         self.iteration = 0
         self.count = 0
+        self._host = torch.zeros(3, dtype=torch.int64)  # made once: see the note
+        self._mine = self._host if device.type == "cpu" else torch.zeros(3, dtype=torch.int64, device=device)
+        self._everyone = torch.zeros(comm.world_size * 3, dtype=torch.int64, device=device)
 
     def begin_iteration(self) -> None:
         self.iteration += 1
@@ -54,15 +71,28 @@ class GatherSequence:
     def check(self, unit: int) -> None:
         """Before gathering unit ``unit``: raise on every rank unless every rank gathers it now (collective)."""
         self.count += 1
-        tags = self.comm.exchange_tags([self.iteration, self.count, unit], self.device)
-        if any(tag != tags[0] for tag in tags):
-            raise DivergentControlFlowError(self._message(tags))
+        where = f"gathers unit {self._name(unit)!r} (gather {self.count} of iteration {self.iteration})"
+        self._agree((self.iteration, self.count, unit), where)
 
-    def _message(self, tags: list[list[int]]) -> str:
-        def where(rank: int, tag: list[int]) -> str:
-            iteration, count, unit = tag
-            name = self.names[unit] if 0 <= unit < len(self.names) else f"#{unit}"
-            return f"rank {rank} gathers unit {name!r} (gather {count} of iteration {iteration})"
+    def check_plan(self, plan: Sequence[int]) -> None:
+        """When a backward plan opens: raise on every rank unless every rank's plan has these units (collective)."""
+        crc = zlib.crc32(b",".join(str(unit).encode() for unit in plan))
+        units = ", ".join(repr(self._name(unit)) for unit in plan)
+        where = f"starts a backward whose forward recorded units [{units}] (iteration {self.iteration})"
+        self._agree((self.iteration, -1 - len(plan), crc), where)
 
-        ranks = "; ".join(where(rank, tag) for rank, tag in enumerate(tags))
-        return f"ZeroStrategy(stage=3): the ranks took different paths through the model: {ranks}. {_FIX}"
+    def _agree(self, tag: tuple[int, int, int], where: str) -> None:
+        self._host[0], self._host[1], self._host[2] = tag
+        if self._mine is not self._host:
+            self._mine.copy_(self._host)
+        self.comm.exchange_tags(self._mine, self._everyone)
+        tags = self._everyone.view(self.comm.world_size, 3).tolist()
+        if any(other != tags[0] for other in tags):
+            everyone = self.comm.all_gather_object(where)  # every rank saw the difference: all take this path
+            ranks = "; ".join(f"rank {rank} {what}" for rank, what in enumerate(everyone))
+            raise DivergentControlFlowError(
+                f"ZeroStrategy(stage=3): the ranks took different paths through the model: {ranks}. {_FIX}"
+            )
+
+    def _name(self, unit: int) -> str:
+        return self.names[unit] if 0 <= unit < len(self.names) else f"#{unit}"

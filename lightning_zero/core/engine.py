@@ -55,6 +55,7 @@ from lightning_zero.core.optim_state import shard_param_state
 from lightning_zero.core.options import EngineOptions
 from lightning_zero.core.owners import OwnerPlan
 from lightning_zero.core.packing import Packed, Packer
+from lightning_zero.core.reachability import reached_leaves
 from lightning_zero.core.rest import RestingParameter, clone_gathered_in_state_dicts, engine_access
 from lightning_zero.core.scheduler import Stage3Scheduler
 from lightning_zero.core.stage1 import FullGradBucket
@@ -141,7 +142,11 @@ class ZeroEngine:
             self._state_dict_hooks = clone_gathered_in_state_dicts(module)
         else:
             self._add_buffers(self.packer.replicated(self._optimized_trainable()))
-        self.scheduler = Stage3Scheduler(self.units, self.topology.gather, options.overlap_comm) if self.units else None
+        self.scheduler = (
+            Stage3Scheduler(self.units, self.topology.gather, options.overlap_comm, self._passed_over)
+            if self.units
+            else None
+        )
         self.steps = [
             OptimizerStep(
                 optimizer,
@@ -161,6 +166,8 @@ class ZeroEngine:
         self.changes.remember(self._managed_ids())
         self._end_queued = False
         self._backward_ended = False  # the end of backward ran from autograd; finish_backward consumes it
+        self._backward_roots: list[object] = []  # the grad_fn of the loss given to scale_loss, until backward ends
+        self._reached: set[int] | None = None  # leaves its graph reaches, once asked (see _passed_over)
         self.last_step_comm = CommStats()
 
     # ------------------------------------------------------------------ setup
@@ -381,6 +388,10 @@ class ZeroEngine:
         if self.scheduler is not None:
             self.scheduler.abandon_backward()
         self._end_queued = self._backward_ended = False
+        self._forget_backward_graph()
+
+    def _forget_backward_graph(self) -> None:
+        self._backward_roots, self._reached = [], None
 
     def scale_loss(self, loss: Tensor) -> Tensor:
         """The loss to call ``backward()`` on: times the fp16 loss scale. Call it before every backward (the
@@ -393,6 +404,7 @@ class ZeroEngine:
             step.discard()
         if self.scheduler is not None:
             self.scheduler.open_plan()  # see [Note: stage-3 backward plan]
+            self._backward_roots, self._reached = [loss.grad_fn], None  # see [Note: units a backward passes over]
         scaler = self.scaling.scaler
         if scaler is None:
             return loss
@@ -437,6 +449,20 @@ class ZeroEngine:
         self.reducer.finish()
         if self.scheduler is not None:
             self.scheduler.end_backward()
+        self._forget_backward_graph()
+
+    def _passed_over(self, units: list[GatherUnit]) -> None:
+        """Stage 3: this rank's backward issued the gathers of ``units`` on its way to a later unit; their trained
+        parameters that its graph does not reach get no gradient in this pass. See [Note: units a backward passes
+        over]."""
+        if self._reached is None:
+            self._reached = reached_leaves(self._backward_roots)
+        for unit in units:
+            for buffer in unit.buffers:
+                bucket = self._bucket_of.get(id(buffer))
+                if bucket is not None:
+                    unreached = [s for s, p in enumerate(buffer.params) if id(p) not in self._reached]
+                    self.reducer.skip(bucket, unreached)
 
     def _on_bucket_ready(self, bucket_index: int) -> None:
         assert self.scheduler is not None

@@ -48,13 +48,22 @@ class Stage3Scheduler:
         units: every unit, the root last.
         comm: the gather group (see core/groups.py).
         prefetch: start the next unit's gather early (``overlap_comm``).
+        on_passed_over: called with the units a backward issued the gathers of on its way to a later plan entry
+            (see [Note: units a backward passes over]).
     """
 
-    def __init__(self, units: list[GatherUnit], comm: Communicator, prefetch: bool) -> None:
+    def __init__(
+        self,
+        units: list[GatherUnit],
+        comm: Communicator,
+        prefetch: bool,
+        on_passed_over: Callable[[list[GatherUnit]], None] = lambda units: None,
+    ) -> None:
         self.units = units
         self.root = units[-1]
         self.comm = comm
         self.prefetch = prefetch
+        self.on_passed_over = on_passed_over
         self._index = {unit: index for index, unit in enumerate(units)}
         device = next((b.data.device for u in units for b in u.buffers), torch.device("cpu"))
         self.sequence = GatherSequence(comm, [unit.name for unit in units], device)  # see its note
@@ -103,11 +112,13 @@ class Stage3Scheduler:
             unit.remove_hooks()
 
     # ------------------------------------------------------------------ between steps
-    def _start(self, unit: GatherUnit) -> None:
-        """Start gathering ``unit`` (a no-op when gathered or started, on every rank alike), once every rank agreed
-        that it gathers this unit now (see [Note: divergent control flow at stage 3])."""
+    def _start(self, unit: GatherUnit, check: bool = True) -> None:
+        """Start gathering ``unit`` (a no-op when gathered or started, on every rank alike). With ``check``, once every
+        rank agreed that it gathers this unit now (see [Note: divergent control flow at stage 3]); the gathers of a
+        backward plan need no check: every rank derives the same plan and issues its entries in order."""
         if unit.buffers and not unit.gathered_or_pending:  # a unit without parameters gathers nothing, anywhere
-            self.sequence.check(self._index[unit])
+            if check:
+                self.sequence.check(self._index[unit])
             unit.start_unshard(self.comm)
 
     def _unshard(self, unit: GatherUnit) -> None:
@@ -246,6 +257,7 @@ class Stage3Scheduler:
     def open_plan(self) -> None:
         """A backward is about to run (on every rank): the units recorded since the last plan, in reverse order."""
         self._plan_open = True
+        self.sequence.check_plan([self._index[unit] for unit in self._recorded])  # see [Note: divergent control flow]
         self._plan.extend(reversed(self._recorded))
         self._remaining.update(self._recorded)
         self._recorded = []
@@ -268,8 +280,11 @@ class Stage3Scheduler:
             self._unshard(unit)
             return
         if self._remaining[unit]:
-            while self._issue_next() is not unit:
-                pass
+            passed = []
+            while (issued := self._issue_next()) is not unit:
+                passed.append(issued)
+            if passed:  # see [Note: units a backward passes over]
+                self.on_passed_over(passed)
             if self.prefetch and self._cursor < len(self._plan):
                 self._issue_next()
                 if self._cursor < len(self._plan):
@@ -289,7 +304,7 @@ class Stage3Scheduler:
         unit = self._plan[self._cursor]
         self._cursor += 1
         self._remaining[unit] -= 1
-        self._start(unit)  # issues nothing when still gathered, on every rank alike
+        self._start(unit, check=False)  # issues nothing when still gathered, on every rank alike
         return unit
 
     def _pass_ended(self) -> None:

@@ -81,8 +81,12 @@ def test_ranks_on_different_paths_raise_the_same_error_on_every_rank(case: str, 
         error = result["error"]
         assert error is not None, f"rank {rank} trained on with another path"
         assert error.startswith("DivergentControlFlowError: ZeroStrategy(stage=3): the ranks took different paths")
-        assert "of iteration 3)" in error, error
-        assert "rank 0 gathers unit 'blocks." in error or "rank 0 gathers unit 'head'" in error, error
+        assert "of iteration 3)" in error or "(iteration 3)" in error, error
+        # Caught at a forward gather, or (blocks of equal size used in another order after prefetch gathered them in
+        # the agreed one) when the backward plans differ.
+        assert any(
+            f"rank 0 {what}" in error for what in ("gathers unit 'blocks.", "gathers unit 'head'", "starts a")
+        ), error
         assert result["steps"] == 2
     assert results[0]["error"] == results[1]["error"]
 
@@ -122,7 +126,8 @@ def test_the_same_path_trains_and_costs_one_small_exchange_per_gather() -> None:
     for result in results:
         assert result["error"] is None
         assert result["steps"] == 3
-        # 6 units (the root, 4 blocks, the head), each gathered at most twice a step (forward, backward); one tag
-        # of 3 int64 from each of the 2 ranks per gather.
-        assert 6 <= result["gathers"] <= 12
-        assert result["agree_bytes"] == result["gathers"] * 3 * 8 * 2
+        # 5 units with parameters (4 blocks, the head; the root holds none), each checked once a step, in forward
+        # (backward gathers follow the plan); one tag of 3 int64 from each of the 2 ranks per checked gather and one
+        # for the plan.
+        assert result["gathers"] == 5
+        assert result["agree_bytes"] == (result["gathers"] + 1) * 3 * 8 * 2
