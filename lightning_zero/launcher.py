@@ -22,7 +22,16 @@ class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(*args, **kwargs)
+        try:
+            super()._wrapping_function(*args, **kwargs)
+        except BaseException as error:
+            # A spawned rank's exception never reaches Lightning's interrupt handling (the main process gets it):
+            # the other ranks learn of it here, while this process still lives (see [Note: a rank that raises and
+            # stays alive]).
+            comm = getattr(self._strategy, "_comm", None)
+            if comm is not None:
+                comm.post_failure(error)
+            raise
         # A rank that exits with its gloo process group alive may abort in interpreter teardown ("terminate called
         # without an active exception": gloo's threads still hold work objects with tensors). After a successful
         # run every rank is past its last collective, so the groups go here, while the interpreter is whole; after

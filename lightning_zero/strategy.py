@@ -424,12 +424,17 @@ class ZeroStrategy(ParallelStrategy):
         return self._engine
 
     # ------------------------------------------------------------------ collectives
+    # The strategy's own collectives go through the communicator where it reads failure notices (gloo), so a rank
+    # waiting in a barrier, a broadcast or a logged metric's reduction stops when another rank raised (see [Note: a
+    # rank that raises and stays alive]); NCCL and other groups use torch's directly.
     @override
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
         if torch.distributed.get_backend() == "nccl":
             torch.distributed.barrier(device_ids=[self.root_device.index])
+        elif self._comm is not None:
+            self._comm.barrier()
         else:
             torch.distributed.barrier()
 
@@ -437,15 +442,34 @@ class ZeroStrategy(ParallelStrategy):
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
+        if self._comm is not None:
+            return self._comm.broadcast_object(obj, src)
         wrapped = [obj]
         torch.distributed.broadcast_object_list(wrapped, src)
         return wrapped[0]
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        if isinstance(tensor, Tensor):
+        if not isinstance(tensor, Tensor):
+            return tensor
+        op = _plain_reduce_op(reduce_op)
+        if group is not None or self._comm is None or self._comm.notices is None or op is None:
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        name, mean = op
+        self._comm.barrier()  # as Lightning's _sync_ddp, whose results these are
+        self._comm.all_reduce(tensor, name, counted=False)
+        if not mean:
+            return tensor
+        if not torch.is_floating_point(tensor):
+            return tensor.copy_(tensor / self._comm.world_size)
+        return tensor.div_(self._comm.world_size)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """This rank raised: the other ranks stop waiting for it within a fraction of a second, with an error naming
+        it and its exception (see [Note: a rank that raises and stays alive])."""
+        if self._comm is not None:
+            self._comm.post_failure(exception)
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -601,3 +625,21 @@ class ZeroStrategy(ParallelStrategy):
         for name, (init_params, description) in presets.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, **init_params)
+
+
+def _plain_reduce_op(reduce_op: ReduceOp | str | None) -> tuple[str, bool] | None:
+    """``(op, divide by the world size)`` for the reductions the communicator runs; ``None`` for others."""
+    if reduce_op is None:
+        return "sum", False
+    name = (
+        reduce_op.lower()
+        if isinstance(reduce_op, str)
+        else {
+            torch.distributed.ReduceOp.SUM: "sum",
+            torch.distributed.ReduceOp.MAX: "max",
+            torch.distributed.ReduceOp.MIN: "min",
+        }.get(reduce_op)
+    )
+    if name in ("mean", "avg"):
+        return "sum", True
+    return (name, False) if name in ("sum", "max", "min") else None

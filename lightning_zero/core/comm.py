@@ -17,6 +17,8 @@ collectives move, without padding; they are counted as the all-gather or reduce-
 
 from __future__ import annotations
 
+import itertools
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -26,13 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.core.lost_rank import guarded
+from lightning_zero.core.lost_rank import FailureNotices, guarded, notices_prefix
 
 # torch 2.10+ renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 Work = dist.Work
+_ROOTS = itertools.count()  # communicators made without a parent's notices, in this process (see notices_prefix)
 
 
 @dataclass
@@ -65,15 +68,19 @@ class CommStats:
 class Communicator:
     """Named collectives over one process group, each counted in :attr:`stats`."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, notices: FailureNotices | None = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.global_rank = dist.get_rank()  # names this process in errors
         self.world_size = dist.get_world_size(group)
         self.stats = CommStats()
+        backend = dist.get_backend(group)
         # gloo implements the single-tensor reduce-scatter as a copy plus a full all-reduce (measured 1.8x
         # slower on a 25 MiB bucket, docs/benchmarks.md); its list form is a real reduce-scatter.
-        self._list_reduce_scatter = dist.get_backend(group) == "gloo"
+        self._list_reduce_scatter = backend == "gloo"
+        self._object_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+        # Where a rank that raised says so; gloo waits read it (see [Note: a rank that raises and stays alive]).
+        self.notices = notices if notices is not None or backend != "gloo" else _notices(group)
         self._companion: Communicator | None = None
 
     def companion(self) -> Communicator:
@@ -84,8 +91,15 @@ class Communicator:
         if self._companion is None:
             ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
             # With the parent's timeout: new_group's default (30 minutes) would let a hung rank stall the gathers.
-            self._companion = Communicator(dist.new_group(ranks, timeout=_timeout_of(self.group)))
+            group = dist.new_group(ranks, timeout=_timeout_of(self.group))
+            self._companion = Communicator(group, notices=self.notices)
         return self._companion
+
+    def post_failure(self, error: BaseException) -> None:
+        """This rank raised ``error`` and lives on: the others' waits end with it named (see [Note: a rank that
+        raises and stays alive]). A no-op without notices (NCCL) and for errors that are about another rank."""
+        if self.notices is not None:
+            self.notices.post(self.global_rank, error)
 
     def reduce_scatter(
         self, output: Tensor, input: Tensor, async_op: bool = False, sizes: Sequence[int] | None = None
@@ -99,8 +113,10 @@ class Communicator:
             return self._uneven(what, "reduce", input, output, sizes, async_op)
         if self._list_reduce_scatter:
             chunks = list(input.chunk(self.world_size))
-            return self._guarded(what, dist.reduce_scatter, output, chunks, group=self.group, async_op=async_op)
-        return self._guarded(what, _reduce_scatter_single, output, input, group=self.group, async_op=async_op)
+            work = self._guarded(what, dist.reduce_scatter, output, chunks, group=self.group, async_op=True)
+        else:
+            work = self._guarded(what, _reduce_scatter_single, output, input, group=self.group, async_op=True)
+        return _finish(work, async_op)
 
     def all_gather(
         self, output: Tensor, input: Tensor, async_op: bool = False, sizes: Sequence[int] | None = None
@@ -111,31 +127,64 @@ class Communicator:
         what = self._what("all-gather", output)
         if sizes is not None:
             return self._uneven(what, "broadcast", output, input, sizes, async_op)
-        return self._guarded(what, _all_gather_single, output, input, group=self.group, async_op=async_op)
+        work = self._guarded(what, _all_gather_single, output, input, group=self.group, async_op=True)
+        return _finish(work, async_op)
 
-    def all_reduce(self, tensor: Tensor, op: str = "sum") -> None:
-        self.stats.add("all_reduce", 2 * tensor.numel() * tensor.element_size())
+    def all_reduce(self, tensor: Tensor, op: str = "sum", counted: bool = True) -> None:
+        """Reduce ``tensor`` over the ranks in place (``counted=False``: not the engine's, e.g. a logged metric)."""
+        if counted:
+            self.stats.add("all_reduce", 2 * tensor.numel() * tensor.element_size())
         what = self._what("all-reduce", tensor)
-        self._guarded(what, dist.all_reduce, tensor, op=_REDUCE_OPS[op], group=self.group)
+        self._guarded(what, dist.all_reduce, tensor, op=_REDUCE_OPS[op], group=self.group, async_op=True).wait()
 
     def broadcast(self, tensor: Tensor, src: int = 0) -> None:
         """Overwrite ``tensor`` with rank ``src``'s (``src`` is a rank of this group)."""
         self.stats.add("broadcast", tensor.numel() * tensor.element_size())
+        self._broadcast(self._what("broadcast", tensor), tensor, src)
+
+    def _broadcast(self, what: str, tensor: Tensor, src: int) -> None:
         source = dist.get_global_rank(self.group, src) if self.group else src
-        self._guarded(self._what("broadcast", tensor), dist.broadcast, tensor, src=source, group=self.group)
+        self._guarded(what, dist.broadcast, tensor, src=source, group=self.group, async_op=True).wait()
+
+    def barrier(self) -> None:
+        """Wait until every rank reached this barrier (uncounted: it moves no data)."""
+        what = f"a barrier of {self.world_size} ranks"
+        self._guarded(what, dist.barrier, group=self.group, async_op=True).wait()
 
     def exchange_tags(self, mine: Tensor, everyone: Tensor) -> None:
         """Every rank's ``mine`` (a few int64, the same count on every rank) into ``everyone``, counted under
         ``"agree"``."""
         self.stats.add("agree", everyone.numel() * everyone.element_size())
         what = self._what("all-gather", everyone) + " (of stage-3 gather tags)"
-        self._guarded(what, _all_gather_single, everyone, mine, group=self.group)
+        self._guarded(what, _all_gather_single, everyone, mine, group=self.group, async_op=True).wait()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        gathered: list[Any] = [None] * self.world_size
+        """Every rank's picklable ``obj`` (uncounted: agreements and error messages), through tensors, so that its
+        waits are those of any collective (see [Note: a rank that raises and stays alive])."""
         what = "an all-gather of Python objects (an agreement between ranks)"
-        self._guarded(what, dist.all_gather_object, gathered, obj, group=self.group)
-        return gathered
+        device = self._object_device or torch.device("cpu")
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        sizes = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        self._guarded(what, _all_gather_single, sizes, mine, group=self.group, async_op=True).wait()
+        counts = sizes.tolist()
+        padded = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data
+        everyone = torch.empty(self.world_size * padded.numel(), dtype=torch.uint8, device=device)
+        self._guarded(what, _all_gather_single, everyone, padded, group=self.group, async_op=True).wait()
+        rows = everyone.view(self.world_size, -1).cpu()
+        return [pickle.loads(rows[rank, :count].numpy().tobytes()) for rank, count in enumerate(counts)]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s picklable ``obj`` on every rank (uncounted, as :meth:`all_gather_object`)."""
+        what = "a broadcast of a Python object"
+        device = self._object_device or torch.device("cpu")
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        self._broadcast(what, size, src)
+        payload = data if self.rank == src else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        self._broadcast(what, payload, src)
+        return obj if self.rank == src else pickle.loads(payload.cpu().numpy().tobytes())
 
     def _uneven(
         self, what: str, op: str, full: Tensor, part: Tensor, sizes: Sequence[int], async_op: bool
@@ -167,7 +216,7 @@ class Communicator:
 
     def _guarded(self, what: str, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``collective(*args, **kwargs)``, a lost or hung rank named as such (see [Note: lost and hung ranks])."""
-        return guarded(what, self.global_rank, lambda: collective(*args, **kwargs))
+        return guarded(what, self.global_rank, lambda: collective(*args, **kwargs), self.notices)
 
     def _what(self, op: str, tensor: Tensor) -> str:
         article = "an" if op[0] in "aeiou" else "a"
@@ -224,6 +273,24 @@ def _timeout_of(group: dist.ProcessGroup | None) -> timedelta | None:
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _finish(work: Any, async_op: bool) -> Any:
+    """``work`` for the caller to wait for, or waited for here (``None``)."""
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _notices(group: dist.ProcessGroup | None) -> FailureNotices | None:
+    """The failure notices of a new communicator root, in the job's store (``None`` where there is none)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return FailureNotices(store, notices_prefix(next(_ROOTS), ranks), dist.get_world_size())
 
 
 def wait_all(works: Sequence[Work | None]) -> None:

@@ -18,6 +18,15 @@ The engine knows nothing about Lightning; any training loop drives it with a few
 4. Optionally ``clip_grad_norm_(optimizer, ...)``; then ``optimizer.step()`` and ``optimizer.zero_grad()``
    as usual: the step window hands the optimizer its pieces, and stages 1 and 2 gather the new shards.
 
+[Note: the order of collectives]
+Every rank must issue the same collectives in the same order, whatever the options, or the job hangs (or, with
+gloo, aborts on a message of another size). So the ranks' agreement on the parameters and options (``Communicator.
+agree``) is the first collective an engine issues, and everything that depends on an option comes after it:
+process groups (``Topology.build``: ``new_group`` is itself a collective, a store wait that a lost rank does not
+end), the offload checks, the owners' agreement, the broadcast of rank 0's states. A rank that fails before it
+posts a notice (see [Note: a rank that raises and stays alive]) that ends the others' wait in the agreement.
+``tests/distributed/test_collective_order.py`` records the collectives of every combination of options.
+
 [Note: changes after setup]
 A parameter frozen when the engine was built holds no gradient bucket. When it becomes trainable and an
 optimizer holds it (``requires_grad_(True)`` on a parameter of a param group, ``add_param_group``, Lightning's
@@ -103,7 +112,6 @@ class ZeroEngine:
         self.module = module
         self.options = options
         self.comm = comm
-        self.topology = Topology.build(comm, options.stage)
         self.policy = precision or PrecisionPolicy()
         self.loss_weights = LossWeights(comm, device or next(module.parameters(), torch.empty(0)).device)
         self.scaling = LossScaling(loss_scaler, self.loss_weights)
@@ -111,7 +119,8 @@ class ZeroEngine:
         self.names = {param: name for name, param in module.named_parameters()}
         self.optimizers = list(optimizers)
         self._check_optimizers()
-        self._agree_across_ranks(agree_also)
+        self._agree_across_ranks(agree_also)  # the first collective of setup: see [Note: the order of collectives]
+        self.topology = Topology.build(comm, options.stage)  # groups are created only once the ranks agree
         if options.stage < 3:
             self.broadcast_module_states(module, comm)
         self.buffers: list[FlatParamBuffer] = []

@@ -7,12 +7,26 @@ deadlocked, far slower) they fail after the process group's ``timeout``. Every c
 through :class:`~lightning_zero.core.comm.Communicator`, which turns such failures into a :class:`RankLostError`
 or a :class:`RankTimeoutError` naming the collective this rank was in, its size and the rank, and keeps the
 backend's message; any other error passes unchanged. The process then exits non-zero as usual.
+
+[Note: a rank that raises and stays alive]
+A rank whose process ends is noticed at once: its connections close. A rank that raises and lives on (an error in
+a callback caught by a notebook, a process stuck in its teardown) closes nothing, so the others would wait in their
+next collective until the timeout (30 minutes by default). So a rank that raises posts a notice in the process
+group's store (``FailureNotices.post``: its rank and error; the strategy's ``on_exception`` does it), and every
+wait of a gloo collective the engine issues is a wait in slices of ``POLL`` that reads the notices between slices
+(one small store request per slice, none while collectives complete within a slice): a waiting rank raises
+:class:`RankFailedError` naming the failed rank and its error within a slice of the notice. A rank whose
+collectives failed because another rank failed does not post (it names the first failure, and posting it would
+only repeat it). NCCL waits do not block the host, so they are not polled: there the process group's timeout (and
+NCCL's watchdog) end a wait.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from datetime import timedelta
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -27,6 +41,62 @@ class RankLostError(RuntimeError):
 
 class RankTimeoutError(RuntimeError):
     """A collective did not complete within the process group's timeout: another rank is hung or far behind."""
+
+
+class RankFailedError(RankLostError):
+    """Another rank raised (and posted a notice) while this rank waited for it in a collective."""
+
+
+POLL = timedelta(milliseconds=200)  # a gloo wait reads the failure notices this often (see the note above)
+_POLL_EXPIRED = "Operation timed out!"  # what a work's wait(timeout) raises when the slice ends first
+_CONSEQUENCES = (RankLostError, RankTimeoutError)  # errors that are about another rank: not posted
+
+
+class FailureNotices:
+    """Where a rank that raised says so and waiting ranks look: keys under ``prefix`` in the process group's store.
+    See [Note: a rank that raises and stays alive].
+
+    Args:
+        store: the job's store (``torch.distributed``'s default store).
+        prefix: keys of this run (each new communicator root gets its own, on every rank alike).
+        world_size: the job's ranks (global), any of which may post.
+    """
+
+    def __init__(self, store: Any, prefix: str, world_size: int) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.world_size = world_size
+        self._readable = True  # turns False when the store is gone (its host's process ended)
+
+    def post(self, rank: int, error: BaseException) -> None:
+        """Say that ``rank`` raised ``error`` (not posted for errors that are about another rank)."""
+        if isinstance(error, _CONSEQUENCES):
+            return
+        text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        try:
+            self.store.set(f"{self.prefix}/rank{rank}", text[:2000])
+            self.store.add(f"{self.prefix}/count", 1)
+        except Exception:  # the store is gone with its host: the others see the connection close
+            return
+
+    def read(self) -> str | None:
+        """The posted failures, or ``None`` (one store request when there are none)."""
+        if not self._readable:
+            return None
+        try:
+            if self.store.add(f"{self.prefix}/count", 0) == 0:
+                return None
+            posted = [r for r in range(self.world_size) if self.store.check([f"{self.prefix}/rank{r}"])]
+            return "; ".join(f"rank {r} raised {self.store.get(f'{self.prefix}/rank{r}').decode()}" for r in posted)
+        except Exception:  # a store whose host is gone: wait as without notices
+            self._readable = False
+            return None
+
+
+def notices_prefix(generation: int, ranks: list[int]) -> str:
+    """The store prefix of one communicator root (``generation``: how many roots this process made before), the
+    same on every rank of it."""
+    return f"lightning_zero/failures/{generation}/{zlib.crc32(repr(ranks).encode())}"
 
 
 def translate(error: BaseException, what: str, rank: int) -> BaseException:
@@ -47,28 +117,56 @@ def translate(error: BaseException, what: str, rank: int) -> BaseException:
     return error
 
 
-def guarded(what: str, rank: int, call: Callable[[], T]) -> T:
-    """``call()``, its backend failures translated (see [Note: lost and hung ranks])."""
+def guarded(what: str, rank: int, call: Callable[[], T], notices: FailureNotices | None = None) -> T:
+    """``call()``, its backend failures translated (see [Note: lost and hung ranks]); an asynchronous work it returns
+    is wrapped so that its ``wait()`` translates them too and reads ``notices`` (see [Note: a rank that raises and
+    stays alive])."""
     try:
         result = call()
     except RuntimeError as error:
-        translated = translate(error, what, rank)
-        if translated is error:
-            raise
-        raise translated from error
+        _raise_translated(error, what, rank, notices)
     if result is not None and hasattr(result, "wait"):  # an asynchronous collective's work
-        return GuardedWork(result, what, rank)  # type: ignore[return-value]
+        return GuardedWork(result, what, rank, notices)  # type: ignore[return-value]
     return result
 
 
-class GuardedWork:
-    """An asynchronous collective whose ``wait()`` translates backend failures."""
+def _raise_translated(error: RuntimeError, what: str, rank: int, notices: FailureNotices | None) -> NoReturn:
+    """Raise ``error`` as what it means; a lost rank that posted why it ended is named with its error."""
+    translated = translate(error, what, rank)
+    if translated is error:
+        raise error
+    posted = notices.read() if notices is not None and isinstance(translated, RankLostError) else None
+    if posted:
+        raise _failed(what, rank, posted) from error
+    raise translated from error
 
-    def __init__(self, work: Any, what: str, rank: int) -> None:
-        self.work, self.what, self.rank = work, what, rank
+
+def _failed(what: str, rank: int, posted: str) -> RankFailedError:
+    return RankFailedError(
+        f"rank {rank} stopped waiting in {what}: {posted}, so this collective can never complete. The first error "
+        "is in that rank's log."
+    )
+
+
+class GuardedWork:
+    """An asynchronous collective whose ``wait()`` translates backend failures and, with ``notices``, waits in slices
+    that read them."""
+
+    def __init__(self, work: Any, what: str, rank: int, notices: FailureNotices | None = None) -> None:
+        self.work, self.what, self.rank, self.notices = work, what, rank, notices
 
     def wait(self, *args: Any) -> bool:
-        return guarded(self.what, self.rank, lambda: self.work.wait(*args))
+        if self.notices is None or args:
+            return guarded(self.what, self.rank, lambda: self.work.wait(*args))
+        while True:
+            try:
+                return self.work.wait(POLL)
+            except RuntimeError as error:
+                if str(error) != _POLL_EXPIRED:
+                    _raise_translated(error, self.what, self.rank, self.notices)
+            posted = self.notices.read()
+            if posted:
+                raise _failed(self.what, self.rank, posted)
 
     def is_completed(self) -> bool:
         return self.work.is_completed()

@@ -26,6 +26,7 @@ import copy
 import math
 import os
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -567,7 +568,13 @@ def fit_case(world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_cases(rank: int, world_size: int, cases: list[tuple[int, dict[str, Any]]], out_dir: str) -> None:
+def run_cases(
+    rank: int,
+    world_size: int,
+    cases: list[tuple[int, dict[str, Any]]],
+    out_dir: str,
+    fit: Callable[[int, dict[str, Any]], Any] | None = None,
+) -> None:
     """``run_on_ranks(..., init_group=False)`` entry point: every case in turn, each in a new process group.
 
     Each rank saves each case's result to ``out_dir/<index>.rank<rank>.pt`` as soon as the case ends, so the results
@@ -588,7 +595,7 @@ def run_cases(rank: int, world_size: int, cases: list[tuple[int, dict[str, Any]]
         case_store.wait([f"arrived{r}" for r in range(world_size)])
         dist.init_process_group("gloo", store=case_store, rank=rank, world_size=world_size, timeout=TIMEOUT)
         try:
-            result = fit_case(world_size, copy.deepcopy(case))
+            result = (fit or fit_case)(world_size, copy.deepcopy(case))
         except Exception:
             result = {"error": f"rank {rank}, case {case.get('name')}:\n{traceback.format_exc()}"}
         finally:
@@ -604,8 +611,11 @@ def _result_path(out_dir: str, index: int, rank: int) -> str:
     return os.path.join(out_dir, f"{index}.rank{rank}.pt")
 
 
-def run_isolated(world_size: int, cases: list[dict[str, Any]], out_dir: str) -> list[list[dict[str, Any]]]:
-    """Run ``cases`` on ``world_size`` ranks in one spawn; return, per rank, each case's result.
+def run_isolated(
+    world_size: int, cases: list[dict[str, Any]], out_dir: str, fit: Callable[[int, dict[str, Any]], Any] | None = None
+) -> list[list[dict[str, Any]]]:
+    """Run ``cases`` on ``world_size`` ranks in one spawn; return, per rank, each case's result (``fit(world_size,
+    case)``, by default :func:`fit_case`; a module-level function, so that the spawn can pickle it).
 
     If the processes die (a segfault) or outlive ``run_on_ranks``' limit during a case, that case's result is the
     error and a new spawn runs the cases after it, so one crash fails only its own case.
@@ -616,7 +626,7 @@ def run_isolated(world_size: int, cases: list[dict[str, Any]], out_dir: str) -> 
     while pending:
         failure = "the spawn ended without an error but left no result"
         try:
-            run_on_ranks(run_cases, world_size, [(i, cases[i]) for i in pending], out_dir, init_group=False)
+            run_on_ranks(run_cases, world_size, [(i, cases[i]) for i in pending], out_dir, fit, init_group=False)
         except RuntimeError as error:
             failure = str(error)
         finished = [all(os.path.exists(_result_path(out_dir, i, r)) for r in range(world_size)) for i in pending]
