@@ -598,7 +598,7 @@ def measure(
     inspect: Callable[[System, dict[str, Any]], None] | None = None,
 ) -> Measured:
     """Build ``spec``, train it on ``batches``, and measure its time, memory and final parameters; ``inspect`` looks
-    at the trained system before it is released."""
+    at the trained system (after its parameters were taken) before it is released."""
     device = run.device
     gc.collect()
     if device.type == "cuda":
@@ -606,19 +606,19 @@ def measure(
         torch.cuda.reset_peak_memory_stats(device)
     before = allocated(device)
     system = build_system(spec, cfg, run.args, device)
+    row: dict[str, Any] = {}
     try:
         trained = train(system, batches, run.args.warmup, device, run.deadline)
-        row = measured_row(run, system, cfg, trained, world_size)
+        row.update(measured_row(run, system, cfg, trained, world_size))
         row["details"].update(steps_planned=len(batches), allocated_before_build=before)
         peak = row["details"]["max_memory_allocated"]
         row["peak_gib"] = None if peak is None or before is None else (peak - before) / GIB
-        if inspect is not None:
-            inspect(system, row)
         complete = trained["steps_run"] == len(batches)
         state = attempt(row, "full state", lambda: full_state(system)) if complete else None
+        if inspect is not None:  # after the state is taken: it may run one more step
+            inspect(system, row)
     finally:
-        failed = row if "row" in locals() else {}
-        attempt(failed, "release", lambda: close_system(system))
+        attempt(row, "release", lambda: close_system(system))
     return Measured(row, state)
 
 
@@ -704,12 +704,12 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 # ----------------------------------------------------------------------------- check: offload
 
 
-OFFLOAD_SPECS = (
+OFFLOAD_SPECS = (  # the references first, the swap file (slowest, bounded by the disk) last
     Spec("zero", 2, True),
-    Spec("zero", 2, True, offload_optimizer="cpu"),
-    Spec("zero", 2, True, offload_optimizer="nvme"),
     Spec("zero", 3, True),
+    Spec("zero", 2, True, offload_optimizer="cpu"),
     Spec("zero", 3, True, offload_optimizer="cpu", offload_params="cpu"),
+    Spec("zero", 2, True, offload_optimizer="nvme"),
     Spec("zero", 3, True, offload_optimizer="nvme", offload_params="nvme"),
 )
 
@@ -739,7 +739,7 @@ def _offload_check(run: Run, spec: Spec, cfg: Any, batches: list, base: dict) ->
             base[spec.stage] = measured
             row["notes"] = "no offload: the reference of this stage"
             return row
-        notes = [pinned_text(row["details"]["host"]), overlap_text(row["details"]["copies"])]
+        notes = [pinned_text(row["details"].get("host")), overlap_text(row["details"].get("copies"))]
         reference = base.get(spec.stage)
         if reference is not None and reference.row.get("step_ms"):
             row["vs_no_offload"] = row["step_ms"] / reference.row["step_ms"]
@@ -767,6 +767,7 @@ def host_buffers(system: System) -> dict[str, Any]:
     shards = [b.shard for b in engine.buffers if isinstance(b, ShardedBuffer) and b.shard_home and not b.resting]
     swap = engine.offload.swap if engine.offload is not None else None
     return {
+        "cuda": engine.device.type == "cuda",
         "masters": len(masters),
         "masters_pinned": sum(t.is_pinned() for t in masters),
         "masters_registered": sum(t.data_ptr() in host._REGISTERED for t in masters),
@@ -784,7 +785,7 @@ def host_buffers(system: System) -> dict[str, Any]:
 def pinned_text(host: dict[str, Any] | None) -> str:
     if host is None:
         return "host buffers: not inspected"
-    parts = []
+    parts = [] if host["cuda"] else ["a CPU run: nothing is pinned"]
     if host["masters"]:
         pinned, registered = host["masters_pinned"], host["masters_registered"]
         parts.append(f"masters pinned {pinned}/{host['masters']} (cudaHostRegister ok: {registered})")
@@ -792,6 +793,8 @@ def pinned_text(host: dict[str, Any] | None) -> str:
         parts.append(f"param shards pinned {host['param_shards_pinned']}/{host['param_shards']}")
     if host["swap_pages_pinned"] is not None:
         parts.append(f"swap pages pinned: {cell(host['swap_pages_pinned'])}, O_DIRECT: {cell(host['swap_direct_io'])}")
+        io = host["swap_io"]
+        parts.append(f"swap file read {io['read'] / GIB:.2f} GiB, wrote {io['written'] / GIB:.2f} GiB so far")
     growth = host["rss_growth_at_setup"]
     parts.append(f"RSS {growth / GIB:+.2f} GiB at setup, {host['offloaded_bytes'] / GIB:.2f} GiB offloaded")
     return ", ".join(parts)
@@ -818,9 +821,11 @@ def copy_overlap(system: System, batch: tuple[Tensor, Tensor], device: torch.dev
 
 def summarize_copies(events: list[dict[str, Any]]) -> dict[str, Any]:
     """From chrome-trace events: per copy direction its count, time, bytes, memory kinds and streams, and the share
-    of its time during which some kernel ran (``overlap``; 0 means every copy ran alone)."""
-    kernels = merge([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e])
-    kernel_streams = sorted({e.get("args", {}).get("stream") for e in events if e.get("cat") == "kernel"} - {None})
+    of its time during which some compute kernel ran (``overlap``; 0: every copy ran alone). NCCL's kernels are
+    communication, not compute: they are left out."""
+    compute = [e for e in events if e.get("cat") == "kernel" and "dur" in e and "nccl" not in e["name"].lower()]
+    kernels = merge([(e["ts"], e["ts"] + e["dur"]) for e in compute])
+    kernel_streams = sorted({e.get("args", {}).get("stream") for e in compute} - {None})
     result: dict[str, Any] = {"kernel_streams": kernel_streams, "kernel_us": sum(b - a for a, b in kernels)}
     for direction in ("HtoD", "DtoH"):
         copies = [e for e in events if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "") and "dur" in e]
@@ -992,9 +997,13 @@ def worker_main(args: argparse.Namespace) -> int:
         result = {"ok": False, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
     result.update(import_s=began - STARTED, work_s=time.time() - began)
     write_json(folder / f"rank{args.rank}.json", result)
+    if not result.get("ok") or args.worker == "lost_rank":
+        # A group that lost a peer or failed to start may hang in its destruction (NCCL): the result is written,
+        # so end here instead of making the parent wait for the timeout.
+        sys.stdout.flush()
+        os._exit(0)
     if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        dist.destroy_process_group()
     return 0
 
 
@@ -1029,7 +1038,7 @@ def two_ranks_worker(args: argparse.Namespace, backend: str, device: torch.devic
 
 
 def check_two_ranks(run: Run) -> dict[str, Any]:
-    outcomes = spawn(run, "two_ranks", 2, subprocess_timeout(run, 120))
+    outcomes = spawn(run, "two_ranks", 2, subprocess_timeout(run, 90))
     results = [o.result or {} for o in outcomes]
     run.two_ranks = {"ok": all(r.get("ok") for r in results)}
     details = {"ranks": [{**vars(o), "result": o.result} for o in outcomes]}
@@ -1092,7 +1101,7 @@ def lost_rank_worker(args: argparse.Namespace, backend: str, device: torch.devic
 
 def check_lost_rank(run: Run, label: str, env: dict[str, str]) -> dict[str, Any]:
     timeout = run.args.timeout_s
-    rank0 = spawn(run, "lost_rank", 2, subprocess_timeout(run, 90 + 4 * timeout), env=env, wait_for=[0])[0]
+    rank0 = spawn(run, "lost_rank", 2, subprocess_timeout(run, 60 + 3 * timeout), env=env, wait_for=[0])[0]
     result = rank0.result or {}
     seconds = result.get("seconds")
     if seconds is None and rank0.progress is not None and rank0.exit_at is not None:
@@ -1154,7 +1163,7 @@ def lightning_worker(args: argparse.Namespace, backend: str, device: torch.devic
 
 
 def check_lightning(run: Run) -> dict[str, Any]:
-    rank0 = spawn(run, "lightning", 1, subprocess_timeout(run, 240))[0]
+    rank0 = spawn(run, "lightning", 1, subprocess_timeout(run, 150))[0]
     result = rank0.result or {}
     details = {"rank0": {**vars(rank0)}}
     if not result.get("ok"):
@@ -1217,19 +1226,37 @@ def env_row(run: Run) -> dict[str, Any]:
     return {"notes": f"{where}; {versions}; commit {commit}", "details": info}
 
 
-def run_checks(run: Run) -> None:
+def run_checks(run: Run, folder: str) -> None:
+    """Every check asked for, in order; those of this process need its process group, the others start their own."""
     checks = run.args.checks
     run.check("environment", lambda: env_row(run))
+    group = run.check(f"process group ({run.backend}, world size 1)", lambda: start_group(run, folder))
+    no_group = "this process has no process group (see its row)" if group["status"].startswith("FAIL") else None
     if "two_ranks" in checks:
         run.check("two_ranks", lambda: check_two_ranks(run))
-    if "systems" in checks:
+    if "systems" in checks and no_group:
+        run.check("systems", dict, skip=no_group)
+    elif "systems" in checks:
         check_systems(run)
     if "lightning" in checks:
         run.check("lightning fit + barrier", lambda: check_lightning(run))
     if "lost_rank" in checks:
         lost_rank_checks(run)
-    if "offload" in checks:
+    if "offload" in checks and no_group:
+        run.check("offload", dict, skip=no_group)
+    elif "offload" in checks:
         check_offload(run)
+
+
+def start_group(run: Run, folder: str) -> dict[str, Any]:
+    """This process as rank 0 of a world of one, on NCCL bound to ``cuda:0`` (gloo in a dry run)."""
+    start = time.perf_counter()
+    init_group(run.args, run.backend, f"file://{folder}/store", 0, 1)
+    probe = torch.ones(1, device=run.device)
+    dist.all_reduce(probe)
+    sync(run.device)
+    seconds = time.perf_counter() - start
+    return {"notes": f"init and a first all-reduce {seconds:.2f} s", "details": {"seconds": seconds}}
 
 
 def lost_rank_checks(run: Run) -> None:
@@ -1246,17 +1273,6 @@ def lost_rank_checks(run: Run) -> None:
     run.check("lost_rank (NCCL defaults)", lambda: check_lost_rank(run, "NCCL defaults", {}))
     blocking = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
     run.check("lost_rank (BLOCKING_WAIT=1)", lambda: check_lost_rank(run, "TORCH_NCCL_BLOCKING_WAIT=1", blocking))
-
-
-@contextlib.contextmanager
-def main_group(run: Run) -> Iterator[None]:
-    """This process as rank 0 of a world of one, on NCCL (or gloo in a dry run)."""
-    with tempfile.TemporaryDirectory(prefix="gpu_check_") as folder:
-        init_group(run.args, run.backend, f"file://{folder}/store", 0, 1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -1280,8 +1296,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
     run = Run(args, device, "gloo" if args.dry_run else "nccl")
     run.log(f"gpu_check on {device} ({run.backend}), budget {args.budget_s:g} s, checks {','.join(args.checks)}")
-    with nvme_directory(args), main_group(run):
-        run_checks(run)
+    with nvme_directory(args), tempfile.TemporaryDirectory(prefix="gpu_check_") as folder:
+        try:
+            run_checks(run, folder)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
     table = format_table(run.rows)
     print(table, flush=True)
     run.save(finished=True)

@@ -97,6 +97,7 @@ def test_copy_overlap_is_the_share_of_copy_time_under_a_kernel(gpu_check: Module
         event("kernel", "gemm", 0, 10, 7),
         event("kernel", "gemm", 5, 10, 7),  # merged with the first: 0..15
         event("kernel", "add", 30, 10, 7),
+        event("kernel", "ncclDevKernel_AllGather_RING_LL", 15, 20, 9),  # communication: not compute
         event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 10, 10, 20),  # 5 of 10 under 0..15
         event("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 20, 10, 20),  # none
         event("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", 32, 4, 7),  # all under 30..40
@@ -121,6 +122,27 @@ def test_a_spent_budget_skips_every_check_and_still_exits_0(gpu_check: ModuleTyp
     assert report["finished"] is True
     assert report["results"]
     assert [r["status"].split(" of ")[0] for r in report["results"]] == ["skipped: budget"] * len(report["results"])
+
+
+def test_a_failing_check_is_a_row_with_its_traceback_and_the_run_goes_on(
+    gpu_check: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_group(*args: object) -> None:
+        raise RuntimeError("NCCL error: unhandled system error\nmore detail")
+
+    monkeypatch.setattr(gpu_check, "init_group", broken_group)
+    out = tmp_path / "failed.json"
+    assert gpu_check.main(["--dry-run", "--checks", "systems,offload", "--out", str(out)]) == 0
+    rows = {row["check"]: row for row in json.loads(out.read_text())["results"]}
+    group = rows["process group (gloo, world size 1)"]
+    assert group["status"] == "FAIL: RuntimeError: NCCL error: unhandled system error"
+    assert "more detail" in group["traceback"]
+    assert rows["environment"]["status"] == "ok"
+    assert (
+        rows["systems"]["status"]
+        == rows["offload"]["status"]
+        == "skipped: " + ("this process has no process group (see its row)")
+    )
 
 
 def test_dry_run_of_the_in_process_checks_and_the_trainer_subprocess(tmp_path: Path) -> None:
