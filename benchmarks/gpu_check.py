@@ -24,20 +24,21 @@ Checks, in this order (``--checks`` names):
    parameters after the run against DDP's: the largest over tensors of max|a - b| / max|b| (fp32 at world size 1:
    expect 0). bf16-mixed ZeRO (bf16 parameters, fp32 masters) is not the maths of DDP under autocast (fp32
    parameters), so those rows also give the difference from ``zero1_bf16``, the same maths (expect 0).
-3. ``lightning``: ``Trainer(accelerator="gpu", devices=1, strategy=ZeroStrategy(stage=3), precision="bf16-mixed")``
-   fits a few steps of examples/gpt.py's module in a subprocess (Lightning creates the NCCL group with its
-   ``device_id``; stage 3 builds the model on the meta device and creates it unit by unit on the GPU), then times
-   ``trainer.strategy.barrier()`` (``device_ids=[0]`` on NCCL).
+3. ``lightning``: ``Trainer(accelerator="gpu", devices=1, strategy=ZeroStrategy(stage=3), precision="bf16-mixed",
+   gradient_clip_val=1)`` fits a few steps of examples/gpt.py's module in a subprocess (Lightning creates the NCCL
+   group with its ``device_id``; stage 3 builds the model on the meta device and creates it unit by unit on the
+   GPU), then times ``trainer.strategy.barrier()`` (``device_ids=[0]`` on NCCL).
 4. ``lost_rank``: with two NCCL ranks (only where ``two_ranks`` worked) one stops (SIGSTOP) mid-training; the other
    must raise ``RankTimeoutError`` within about the group's ``--timeout-s``: with NCCL's defaults and with
    ``TORCH_NCCL_BLOCKING_WAIT=1``. Otherwise skipped: not possible on one GPU, with the reason measured in 1.
 5. ``offload``: bf16-mixed on a GPT of about ``--offload-params`` parameters (the swap file takes 12 bytes a
    parameter): stages 2 and 3 without offload, then ``offload_optimizer="cpu"`` and ``"nvme"`` (stage 2) and
    ``offload_params="cpu"`` / ``"nvme"`` (stage 3, the optimizer in the same place). Per mode: step time, ratio to
-   no offload, the parameters against no offload's, whether the host buffers are pinned (``is_pinned()`` of the host
-   masters and parameter shards, and of the swap file's pages), the host RSS growth at setup against the offloaded
-   bytes, the swap file's I/O, and from a ``torch.profiler`` trace of one step whether host<->device copies overlap
-   compute: the share of copy time during which a kernel ran, and the streams of each.
+   no offload, the parameters against no offload's, whether the host buffers are pinned (``is_pinned()`` of the
+   host masters and parameter shards, and of the swap file's pages), the host RSS growth at setup against the
+   offloaded bytes, the swap file's I/O, from a ``torch.profiler`` trace of one more step whether host<->device
+   copies overlap compute (the share of copy time during which a compute kernel ran, and the streams of each), and
+   a last step clipped at gradient norm 1 (``engine.clip_grad_norm_``; offloaded: the norm of host gradients).
 
 Two ranks sharing one GPU measure contention, not scaling, so the timing and memory rows are at world size 1.
 """
@@ -385,19 +386,30 @@ def plain_step(module: nn.Module, optimizer: torch.optim.Optimizer, spec: Spec, 
 
 def zero_step(engine: Any, optimizer: torch.optim.Optimizer, spec: Spec, device: torch.device) -> Callable:
     """A step as ZeroStrategy drives the engine (autocast without its cache, as ZeroPrecision)."""
+    return lambda x, y: engine_step(engine, optimizer, spec.bf16, device, x, y)[0]
 
-    def step(x: Tensor, y: Tensor) -> Tensor:
-        engine.begin_iteration()
-        optimizer.zero_grad()
-        with autocast(device, spec.bf16, cache=False):
-            loss = lm_loss(engine.module, x, y)
-        engine.scale_loss(loss).backward()
-        engine.finish_backward()
-        engine.prepare_step(optimizer)
-        optimizer.step()
-        return loss.detach()
 
-    return step
+def engine_step(
+    engine: Any,
+    optimizer: torch.optim.Optimizer,
+    bf16: bool,
+    device: torch.device,
+    x: Tensor,
+    y: Tensor,
+    clip: float | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """One step through the engine; with ``clip`` the gradients are clipped at that norm first (offloaded: the norm
+    of host gradients, agreed on the device). Returns the loss and the norm before clipping."""
+    engine.begin_iteration()
+    optimizer.zero_grad()
+    with autocast(device, bf16, cache=False):
+        loss = lm_loss(engine.module, x, y)
+    engine.scale_loss(loss).backward()
+    engine.finish_backward()
+    engine.prepare_step(optimizer)
+    norm = engine.clip_grad_norm_(optimizer, clip) if clip is not None else None
+    optimizer.step()
+    return loss.detach(), norm
 
 
 def build_system(spec: Spec, cfg: Any, args: argparse.Namespace, device: torch.device) -> System:
@@ -704,6 +716,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 # ----------------------------------------------------------------------------- check: offload
 
 
+CLIP = 1.0  # the offload check's last step is clipped at this gradient norm
 OFFLOAD_SPECS = (  # the references first, the swap file (slowest, bounded by the disk) last
     Spec("zero", 2, True),
     Spec("zero", 3, True),
@@ -731,6 +744,7 @@ def _offload_check(run: Run, spec: Spec, cfg: Any, batches: list, base: dict) ->
         if spec.offload_optimizer:
             row["details"]["host"] = attempt(row, "host buffers", lambda: host_buffers(system))
             row["details"]["copies"] = attempt(row, "profile", lambda: copy_overlap(system, batches[0], run.device))
+        row["details"]["clip_norm"] = attempt(row, "clipped step", lambda: clipped_step(system, batches[0], run.device))
 
     def check() -> dict[str, Any]:
         measured = measure(run, spec, cfg, batches, inspect=inspect)
@@ -740,6 +754,8 @@ def _offload_check(run: Run, spec: Spec, cfg: Any, batches: list, base: dict) ->
             row["notes"] = "no offload: the reference of this stage"
             return row
         notes = [pinned_text(row["details"].get("host")), overlap_text(row["details"].get("copies"))]
+        if row["details"]["clip_norm"] is not None:
+            notes.append(f"a step clipped at norm {CLIP:g}: ok (norm {row['details']['clip_norm']:.3g})")
         reference = base.get(spec.stage)
         if reference is not None and reference.row.get("step_ms"):
             row["vs_no_offload"] = row["step_ms"] / reference.row["step_ms"]
@@ -754,6 +770,13 @@ def _offload_check(run: Run, spec: Spec, cfg: Any, batches: list, base: dict) ->
         return row
 
     return check
+
+
+def clipped_step(system: System, batch: tuple[Tensor, Tensor], device: torch.device) -> float:
+    """One more step, clipped at ``CLIP`` through the engine (after the parameters were taken); its norm."""
+    _, norm = engine_step(system.engine, system.optimizer, system.spec.bf16, device, *batch, clip=CLIP)
+    sync(device)
+    return float(norm)
 
 
 def host_buffers(system: System) -> dict[str, Any]:
@@ -1123,7 +1146,8 @@ def check_lost_rank(run: Run, label: str, env: dict[str, str]) -> dict[str, Any]
 
 
 def lightning_worker(args: argparse.Namespace, backend: str, device: torch.device, folder: Path) -> dict[str, Any]:
-    """A few Trainer steps with ZeroStrategy(stage=3) in bf16-mixed on one device, then strategy.barrier()."""
+    """A few Trainer steps with ZeroStrategy(stage=3) in bf16-mixed on one device (gradients clipped at norm 1),
+    then strategy.barrier()."""
     from lightning.pytorch import Trainer
 
     from examples.gpt import ByteDataModule, GPTLightningModule
@@ -1138,6 +1162,7 @@ def lightning_worker(args: argparse.Namespace, backend: str, device: torch.devic
         strategy=ZeroStrategy(stage=3),
         precision="bf16-mixed",
         max_steps=args.lightning_steps,
+        gradient_clip_val=1.0,  # ZeroPrecision.clip_grad_by_norm on the device
         limit_val_batches=0,
         num_sanity_val_steps=0,
         logger=False,
