@@ -74,7 +74,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
     try:
         consolidate(args.checkpoint_dir, args.out_file, progress=_ProgressLine())
-    except CheckpointError as error:
+    except (CheckpointError, ValueError) as error:  # a damaged checkpoint, an output inside it
         print(f"lightning-zero consolidate: {error}", file=sys.stderr)
         return 1
     print(f"wrote {args.out_file} ({args.out_file.stat().st_size:,} bytes)")
