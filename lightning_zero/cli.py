@@ -74,7 +74,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
     try:
         consolidate(args.checkpoint_dir, args.out_file, progress=_ProgressLine())
-    except CheckpointError as error:
+    except (CheckpointError, ValueError) as error:  # a damaged checkpoint, an output inside it
         print(f"lightning-zero consolidate: {error}", file=sys.stderr)
         return 1
     print(f"wrote {args.out_file} ({args.out_file.stat().st_size:,} bytes)")
@@ -133,6 +133,11 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
         "--offload-params", choices=["cpu", "nvme"], default=False, help="stage 3: parameter shard off device"
     )
     estimate.add_argument(
+        "--accumulate-grad-batches",
+        type=_positive_int,
+        help="default: --config's trainer.accumulate_grad_batches, else 1 (adds a swap region with both offloads nvme)",
+    )
+    estimate.add_argument(
         "--partition",
         choices=["flat", "parameter"],
         default="flat",
@@ -150,7 +155,7 @@ def _estimate(args: argparse.Namespace) -> None:
     print(
         f"world_size={args.world_size}, precision={args.precision}, optimizer={args.optimizer}, "
         f"offload_optimizer={args.offload_optimizer}, offload_params={args.offload_params}, "
-        f"partition={args.partition}\n"
+        f"partition={args.partition}, accumulate_grad_batches={args.accumulate_grad_batches}\n"
     )
     rows = [_row(model, stage, args) for stage in STAGES]
     print(_format_table(rows))
@@ -176,6 +181,7 @@ def _row(model: nn.Module, stage: int, args: argparse.Namespace) -> list[str]:
         offload_optimizer=args.offload_optimizer if stage >= 1 else False,
         offload_params=args.offload_params if stage == 3 else False,
         partition=args.partition,
+        accumulate_grad_batches=args.accumulate_grad_batches,
     )
     return [_stage_label(stage), *map(_human_bytes, _columns_of(estimate))]
 
@@ -205,12 +211,16 @@ def _format_table(rows: list[list[str]]) -> str:
 
 
 def _apply_trainer_settings(args: argparse.Namespace) -> None:
-    """Fill --precision and --world-size from --config's ``trainer:`` section where they were not given."""
+    """Fill --precision, --world-size and --accumulate-grad-batches from --config's ``trainer:`` section where they
+    were not given."""
     trainer = _read_yaml(args.config).get("trainer") if args.config is not None else None
     trainer = trainer if isinstance(trainer, dict) else {}
     if args.precision is None:
         configured = str(trainer.get("precision"))
         args.precision = configured if configured in PRECISIONS else "16-mixed"
+    if args.accumulate_grad_batches is None:
+        configured = trainer.get("accumulate_grad_batches", 1)
+        args.accumulate_grad_batches = configured if isinstance(configured, int) and configured > 1 else 1
     if args.world_size is None:
         devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
         if not (isinstance(devices, int) and isinstance(nodes, int) and devices > 0 and nodes > 0):

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
-from lightning_zero.core.options import EngineOptions, describe_policy
+from lightning_zero.core.options import EngineOptions, check_bucket_cap_mb, describe_policy
 
 Offload = Literal[False, "cpu", "nvme"]
 
@@ -58,10 +58,7 @@ class ZeroConfig:
         _check_choice("state_dict_type", self.state_dict_type, STATE_DICT_TYPES, "state_dict_type='full'")
         if self.process_group_backend is not None:
             _check_choice("process_group_backend", self.process_group_backend, BACKENDS, "process_group_backend=None")
-        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, int | float):
-            raise ValueError(f"bucket_cap_mb must be a number of megabytes, got {self.bucket_cap_mb!r}.")
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}. The default is 25.")
+        check_bucket_cap_mb(self.bucket_cap_mb)
         for name in ("overlap_comm", "weighted_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")

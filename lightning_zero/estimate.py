@@ -21,9 +21,11 @@ Stage 0 is plain DDP (nothing divided), for comparison. Mixed-precision Adam is 
 2 + 2 + 12 bytes per parameter. Offloading moves optimizer_states (and at stage 3 the parameter
 shard) from the device into ``offloaded``; the offloaded optimizer always steps an fp32 master copy, so in
 ``"32-true"`` it is K + 4 bytes (Adam: 12), not K. With both offloads on NVMe the gradient shard rests in the swap
-file too and is counted in ``offloaded``. Not counted: padding of flat buffers (fewer than N
-elements each), scalar optimizer state (a 4-byte ``step`` per tensor per rank), buffers,
-activations, temporary communication buffers and the allocator's fragmentation.
+file too and is counted in ``offloaded``; where gradients accumulate (``accumulate_grad_batches`` > 1) each
+reduction's fp32 result also waits in a second region of the swap file until the end of backward folds it into the
+shard (see ``ShardGradBucket``): 4 bytes per trained element / N more, held from the first accumulation on. Not
+counted: padding of flat buffers (fewer than N elements each), scalar optimizer state (a 4-byte ``step`` per tensor
+per rank), buffers, activations, temporary communication buffers and the allocator's fragmentation.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from lightning_zero.core.memory import MemoryReport
 
 STAGES = (0, 1, 2, 3)
 OFFLOADED_MASTER_BYTES = 4  # the fp32 master the offloaded optimizer steps, in every precision
+REDUCE_BYTES = 4  # gradients are reduced in fp32 (ZeroPrecision's default reduce_dtype)
 
 
 class _Widths(NamedTuple):
@@ -88,6 +91,7 @@ def estimate_memory(
     offload_optimizer: Offload = False,
     offload_params: Offload = False,
     partition: str = "flat",
+    accumulate_grad_batches: int = 1,
 ) -> MemoryEstimate:
     """Estimate the bytes of parameters, gradients and optimizer state that each rank holds.
 
@@ -117,18 +121,24 @@ def estimate_memory(
         partition: ``"flat"`` (even shards) or ``"parameter"`` (whole tensors per owner, assigned as the engine
             assigns them): the bytes are the most loaded rank's; ``owned_max`` / ``owned_min`` give the trained
             elements of the most and least loaded rank.
+        accumulate_grad_batches: as the Trainer's flag (or several backward passes per optimizer step). Above 1,
+            with both offloads ``"nvme"``, ``offloaded`` includes the region where a reduction's fp32 result waits
+            until it is added to the gradient shard; otherwise it changes nothing.
 
     Returns:
         The per-rank bytes; ``total`` is what stays on the accelerator.
 
     Raises:
         ValueError: for a ``model`` that is not an ``nn.Module``, an unknown ``stage``, ``precision``,
-            ``optimizer`` or offload target, a ``world_size`` below 1, ``offload_optimizer`` at stage 0
-            or ``offload_params`` below stage 3.
+            ``optimizer`` or offload target, a ``world_size`` or ``accumulate_grad_batches`` below 1,
+            ``offload_optimizer`` at stage 0 or ``offload_params`` below stage 3.
     """
     _check_arguments(model, stage, world_size, precision, optimizer, offload_optimizer, offload_params)
     if partition not in ("flat", "parameter"):
         raise ValueError(f"partition={partition!r} is not supported; choose one of ['flat', 'parameter'].")
+    accumulating = accumulate_grad_batches
+    if isinstance(accumulating, bool) or not isinstance(accumulating, int) or accumulating < 1:
+        raise ValueError(f"accumulate_grad_batches={accumulating!r} is not supported; choose a positive int, e.g. 1.")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     widths = PRECISIONS[precision]
@@ -155,6 +165,8 @@ def estimate_memory(
         offloaded, params = offloaded + params, 0
     if offload_optimizer == "nvme" and offload_params == "nvme":  # ZeRO-Infinity: the gradient shard rests there too
         offloaded, gradients = offloaded + gradients, 0
+        if accumulating > 1:  # and, accumulating, each reduction's fp32 result until it is folded in
+            offloaded += sharded(REDUCE_BYTES, 2)
     return MemoryEstimate(
         params=params,
         gradients=gradients,

@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from lightning_zero import loss_weighting
 from lightning_zero.checkpoint import (
+    CheckpointError,
     ShardedCheckpoint,
     load_sharded_optimizers,
     load_sharded_params,
@@ -496,7 +497,7 @@ class ZeroStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
         if _SHARDED_KEY in checkpoint and self._engine is not None:
-            load_sharded_params(self._engine.named_state(), checkpoint[_SHARDED_KEY])
+            load_sharded_params(self._engine.named_state(), checkpoint[_SHARDED_KEY], strict=strict)
             return
         if _SHARDED_KEY in checkpoint:  # e.g. validate() at stages 1 and 2: the plain module, in full
             self.lightning_module.load_state_dict(checkpoint[_SHARDED_KEY].full_state_dict(), strict=strict)
@@ -532,7 +533,7 @@ class ZeroStrategy(ParallelStrategy):
         if restore_added_param_groups(engine, managed, saved):
             engine.begin_iteration()  # shards the parameters of the groups added back (collective)
         if _SHARDED_KEY in checkpoint:
-            load_sharded_optimizers(engine.named_state(), checkpoint[_SHARDED_KEY])
+            _load_sharded_optimizers(engine, checkpoint[_SHARDED_KEY], self.lightning_module.strict_loading)
             return
         for optimizer, state in zip(managed, checkpoint["optimizer_states"], strict=True):
             engine.load_full_optimizer_state_dict(optimizer, state)
@@ -643,3 +644,19 @@ def _plain_reduce_op(reduce_op: ReduceOp | str | None) -> tuple[str, bool] | Non
     if name in ("mean", "avg"):
         return "sum", True
     return (name, False) if name in ("sum", "max", "min") else None
+
+
+def _load_sharded_optimizers(engine: ZeroEngine, checkpoint: ShardedCheckpoint, strict: bool) -> None:
+    """Optimizer state needs the param groups it was saved with, whatever ``strict_loading`` says (as with DDP,
+    whose ``Optimizer.load_state_dict`` refuses groups of other sizes); without it the error says so."""
+    try:
+        load_sharded_optimizers(engine.named_state(), checkpoint)
+    except CheckpointError as error:
+        if strict:
+            raise
+        raise CheckpointError(
+            f"{error} (strict_loading=False skips missing and unexpected tensors of the model only: optimizer state "
+            "loads into the param groups it was saved with, as with DDP. To start this model from the checkpoint's "
+            "weights with a fresh optimizer, load them with lightning_zero.load_from_checkpoint(Model, path, "
+            "strict=False) and fit without ckpt_path.)"
+        ) from error

@@ -86,6 +86,8 @@ def consolidate(
     Raises:
         CheckpointError: if the checkpoint is incomplete, corrupt or of an unsupported format version, or if
             ``out_file`` is a directory.
+        ValueError: if ``out_file`` lies inside ``sharded_dir`` (symlinks resolved), where writing it could replace
+            a shard of the checkpoint being read; nothing is written then.
     """
     if Path(out_file).is_dir():
         raise CheckpointError(
@@ -95,6 +97,7 @@ def consolidate(
         )
     checkpoint = ShardedCheckpoint(sharded_dir)
     checkpoint.release()
+    _check_outside(out_file, {Path(sharded_dir), checkpoint.path})
     storages: list[_LazyStorage] = []
     output = {**checkpoint.lightning_state()}
     output["state_dict"] = _state_dict(checkpoint, storages)
@@ -122,6 +125,22 @@ def consolidate(
                 progress(written, total)
         archive.writestr(f"{prefix}/version", "3\n")
     tmp.replace(out_file)
+
+
+def _check_outside(out_file: str | os.PathLike, sources: set[Path]) -> None:
+    """Refuse an output inside the checkpoint: its temporary file and rename would land among the shards (and
+    replace one of the same name). Both where the name points (symlinks followed) and where the rename happens
+    (its directory resolved) are checked, against the directory as given and as opened."""
+    out = Path(out_file)
+    landing = {out.resolve(), out.parent.resolve() / out.name}
+    for source in sorted({path.resolve() for path in sources}):
+        inside = [path for path in landing if path == source or source in path.parents]
+        if inside:
+            raise ValueError(
+                f"the output '{out_file}' is inside the sharded checkpoint '{source}' it reads; writing "
+                "it there could replace a shard and would damage the checkpoint. Write the consolidated file outside "
+                f"that directory, e.g. '{source.parent / (source.name + '.ckpt')}'."
+            )
 
 
 class _BytesWriter:

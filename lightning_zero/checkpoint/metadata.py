@@ -134,14 +134,21 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
     return metadata
 
 
-def check_same_model(metadata: dict[str, Any], current: dict[str, dict[str, Any]], where: str) -> None:
-    """Raise unless the checkpoint's tensors have the names, shapes and dtypes of ``current``; name the first
-    difference. Floating-point dtypes may differ (a run resumed in another precision casts on load)."""
+def check_same_model(
+    metadata: dict[str, Any], current: dict[str, dict[str, Any]], where: str, strict: bool = True
+) -> list[str]:
+    """The names of ``current`` to load from the checkpoint. Raise unless the tensors in both have the same shapes
+    and dtypes (floating-point dtypes may differ: a run resumed in another precision casts on load), and, with
+    ``strict``, unless both hold the same names; name the first difference. Without ``strict`` (as
+    ``load_state_dict(strict=False)``) a tensor only one of them has is skipped."""
     saved = metadata["tensors"]
     fix = "Load it into the model that saved it, or build this model with the same architecture."
+    skip = "strict=False (a LightningModule's strict_loading = False) skips the tensors only one of them has."
     for name, spec in current.items():
         if name not in saved:
-            raise CheckpointError(f"{where} is of a different model: it has no tensor {name!r}. {fix}")
+            if not strict:
+                continue
+            raise CheckpointError(f"{where} is of a different model: it has no tensor {name!r}. {fix} {skip}")
         for field in ("shape", "dtype"):
             theirs, mine = saved[name][field], spec[field]
             if field == "dtype" and _is_floating(theirs) and _is_floating(mine):
@@ -151,8 +158,9 @@ def check_same_model(metadata: dict[str, Any], current: dict[str, dict[str, Any]
                     f"{where} is of a different model: tensor {name!r} has {field} {theirs} there, {mine} here. {fix}"
                 )
     extra = [name for name in saved if name not in current]
-    if extra:
-        raise CheckpointError(f"{where} is of a different model: this model has no tensor {extra[0]!r}. {fix}")
+    if extra and strict:
+        raise CheckpointError(f"{where} is of a different model: this model has no tensor {extra[0]!r}. {fix} {skip}")
+    return [name for name in current if name in saved]
 
 
 def _is_floating(dtype: str) -> bool:

@@ -337,9 +337,11 @@ class ShardedCheckpoint:
         return self.rank_data(0)["optimizers"][index]["param_groups"]
 
 
-def load_sharded_params(state: NamedState, checkpoint: ShardedCheckpoint) -> None:
-    check_same_model(checkpoint.metadata, named.tensor_specs(state), checkpoint.where)
-    named.load_params(state, checkpoint.read)
+def load_sharded_params(state: NamedState, checkpoint: ShardedCheckpoint, strict: bool = True) -> None:
+    """Load the checkpoint's tensors into ``state``'s; ``strict=False`` skips those only one side has, as
+    ``load_state_dict(strict=False)`` does (they keep their values); shapes must match either way."""
+    names = check_same_model(checkpoint.metadata, named.tensor_specs(state), checkpoint.where, strict)
+    named.load_params(state, checkpoint.read, names)
 
 
 def load_sharded_optimizers(state: NamedState, checkpoint: ShardedCheckpoint) -> None:

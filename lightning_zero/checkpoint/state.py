@@ -10,7 +10,7 @@ functions take plain data and a ``read`` callable.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -79,14 +79,17 @@ def for_saving(tensors: dict[Any, Tensor]) -> dict[Any, Tensor]:
     return kept
 
 
-def load_params(state: NamedState, read: Reader) -> None:
+def load_params(state: NamedState, read: Reader, names: Collection[str] | None = None) -> None:
     """Fill the parameters (stage 3: this rank's shard; before: every parameter), their master copies and the
-    other tensors. Values are cast to the dtypes held here, so a checkpoint moves between precisions."""
+    other tensors; only those called ``names`` where given (the others keep their values). Values are cast to the
+    dtypes held here, so a checkpoint moves between precisions."""
+    wanted = None if names is None else set(names)
     for tensor in state.tensors():
-        tensor.load(lambda start, end, name=tensor.name: read("params", name, start, end))
+        if wanted is None or tensor.name in wanted:
+            tensor.load(lambda start, end, name=tensor.name: read("params", name, start, end))
     with torch.no_grad():
         for name, tensor in state.unmanaged().items():
-            if tensor.numel():
+            if tensor.numel() and (wanted is None or name in wanted):
                 tensor.data.copy_(read("params", name, 0, tensor.numel()).view_as(tensor))
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_zero.core.stage3 import WrapPolicy, policy_matcher
+from lightning_zero.core.stage3 import WrapPolicy, policy_matcher, warn_unmatched_policy
 
 
 def apply_activation_checkpointing(root: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
@@ -24,6 +24,8 @@ def apply_activation_checkpointing(root: nn.Module, policy: WrapPolicy) -> list[
         return []
     matches = policy_matcher(policy)
     chosen = [module for module in root.modules() if module is not root and matches(module)]
+    if not chosen:
+        warn_unmatched_policy(root, policy, "activation_checkpointing", "no activations are recomputed")
     for module in chosen:
         module.forward = _checkpointed(module.forward)
     return chosen

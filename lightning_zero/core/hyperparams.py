@@ -7,12 +7,14 @@ with different values: a model no single optimizer could have produced, and noth
 step the ranks agree on a fingerprint (CRC-32 of the ``repr`` of every group's hyper-parameters: learning rate
 after the schedulers, betas, weight decay, ...): one all-reduce of two integers (the maximum of ``h`` and of
 ``-h``). Where they differ, every rank gathers every rank's values and raises the same error, naming the
-optimizer, the group, the key and each rank's value.
+optimizer and every key of every group that differs, with each rank's value (a scheduler created or stepped on one
+rank changes ``initial_lr`` and ``lr`` at once; the error names both).
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,27 +63,73 @@ class HyperparameterAgreement:
         if int(extremes[0]) == -int(extremes[1]):  # max == min: every rank has the same fingerprint
             return
         everyone = self.comm.all_gather_object(mine)
-        raise RuntimeError(self._difference(everyone))
+        raise RuntimeError(describe_difference(self.label, everyone))
 
-    def _difference(self, everyone: list[list[list[tuple[str, Any]]]]) -> str:
-        fix = (
-            "Every rank must step every optimizer with the same hyper-parameters: step learning-rate schedulers on "
-            "every rank (Lightning does), and set group values from data every rank has."
-        )
-        reference = everyone[0]
-        for rank, theirs in enumerate(everyone[1:], start=1):
-            for group_index, (ours, other) in enumerate(zip(reference, theirs, strict=False)):
-                ours_dict, other_dict = dict(ours), dict(other)
-                for key in sorted(set(ours_dict) | set(other_dict)):
-                    if ours_dict.get(key, "<missing>") != other_dict.get(key, "<missing>"):
-                        return (
-                            f"ranks disagree on the hyper-parameters of {self.label} param group {group_index}: rank 0 "
-                            f"has {key}={ours_dict.get(key, '<missing>')!r}, rank {rank} has "
-                            f"{key}={other_dict.get(key, '<missing>')!r}. {fix}"
-                        )
-            if len(theirs) != len(reference):
-                return (
-                    f"ranks disagree on {self.label}: rank 0 has {len(reference)} param groups, rank {rank} has "
-                    f"{len(theirs)}. {fix}"
-                )
-        return f"ranks disagree on the hyper-parameters of {self.label} (their fingerprints differ). {fix}"
+
+_FIX = (
+    "Every rank must step every optimizer with the same hyper-parameters: step learning-rate schedulers on every "
+    "rank (Lightning does), and set group values from data every rank has."
+)
+
+
+class _Missing:
+    """A key one rank's group lacks (e.g. ``initial_lr``, which a scheduler adds): shown as ``<missing>``."""
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+def describe_difference(label: str, everyone: list[list[list[tuple[str, Any]]]]) -> str:
+    """The error for ranks whose descriptions (``everyone[rank]``, from :func:`describe`) differ: every differing
+    key of every param group, with the value of every rank (ranks that agree listed together). A pure function of
+    ``everyone``, so every rank builds the same message."""
+    parts = []
+    counts = [len(groups) for groups in everyone]
+    if len(set(counts)) > 1:
+        parts.append(f"param groups: {_by_rank(counts, _group_count)}")
+    for group_index in range(min(counts)):
+        groups = [dict(groups[group_index]) for groups in everyone]
+        keys = sorted(set().union(*groups))
+        differing = [key for key in keys if len({repr(group.get(key, _MISSING)) for group in groups}) > 1]
+        if differing:
+            listed = "; ".join(_by_rank([g.get(key, _MISSING) for g in groups], _assignment(key)) for key in differing)
+            parts.append(f"param group {group_index}: {listed}")
+    if not parts:  # equal values with another fingerprint cannot happen; say so rather than claim a difference
+        parts.append("their fingerprints differ")
+    return f"ranks disagree on the hyper-parameters of {label}: {'. '.join(parts)}. {_FIX}"
+
+
+def _group_count(count: int) -> str:
+    return f"{count} param group{'s' * (count != 1)}"
+
+
+def _assignment(key: str) -> Callable[[Any], str]:
+    return lambda value: f"{key}={value!r}"
+
+
+def _by_rank(values: list[Any], show: Callable[[Any], str]) -> str:
+    """``"rank 0 has lr=0.1, ranks 1-3, 5 have lr=0.05"``: each distinct value (by ``repr``, as the fingerprint
+    compares them) once, with the ranks that hold it, in the order of their first rank."""
+    ranks: dict[str, list[int]] = {}
+    shown: dict[str, str] = {}
+    for rank, value in enumerate(values):
+        ranks.setdefault(repr(value), []).append(rank)
+        shown.setdefault(repr(value), show(value))
+    return ", ".join(
+        f"rank {held[0]} has {shown[key]}" if len(held) == 1 else f"ranks {_ranges(held)} have {shown[key]}"
+        for key, held in ranks.items()
+    )
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)

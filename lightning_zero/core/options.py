@@ -16,6 +16,8 @@ WrapPolicy = set[type[nn.Module]] | Callable[[nn.Module], bool] | None
 
 STAGES = (1, 2, 3)
 PARTITIONS = ("flat", "parameter")
+# Tensor sizes are int64 byte counts: a bucket larger than that cannot exist (and inf would not convert to one).
+MAX_BUCKET_CAP_MB = (2**63 - 1) // 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +50,7 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.stage not in STAGES or isinstance(self.stage, bool):
             raise ValueError(f"stage={self.stage!r} is not supported; choose one of {list(STAGES)}.")
-        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, int | float):
-            raise ValueError(f"bucket_cap_mb must be a number of megabytes, got {self.bucket_cap_mb!r}.")
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}. The default is 25.")
+        check_bucket_cap_mb(self.bucket_cap_mb)
         self._check_offload()
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition={self.partition!r}: choose one of {list(PARTITIONS)}.")
@@ -83,6 +82,25 @@ class EngineOptions:
             "offload_params": self.offload_params,
             "partition": self.partition,
         }
+
+
+def check_bucket_cap_mb(value: Any) -> None:
+    """Raise a ``ValueError`` naming ``bucket_cap_mb`` unless it is a number of megabytes in (0, MAX_BUCKET_CAP_MB];
+    ``nan``, ``inf`` and values whose byte count overflows int64 included."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"bucket_cap_mb must be a number of megabytes, got {value!r}.")
+    if not value > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0, got {value}. The default is 25.")
+    if not value <= MAX_BUCKET_CAP_MB:
+        raise ValueError(
+            f"bucket_cap_mb must be at most {MAX_BUCKET_CAP_MB} (2**63 - 1 bytes, the largest tensor size), got "
+            f"{_shortened(value)}. For one bucket per dtype pass any size above the model's, e.g. bucket_cap_mb=1e6."
+        )
+
+
+def _shortened(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def describe_policy(policy: Any) -> Any:

@@ -6,8 +6,10 @@ shape, dtype and device, but its storage is freed (see [Note: freeing gathered s
 read freed memory. Each such parameter is therefore made a :class:`RestingParameter`, a subclass of
 ``nn.Parameter`` (so ``isinstance`` checks, the module's registration, optimizers and hooks see the same
 object) whose ``__torch_function__`` lets metadata through (``shape``, ``dtype``, ``requires_grad``,
-``grad``, hooks, ...) and raises a ``RuntimeError`` naming the parameter and ``gathered_params()`` for
-anything that would read or write its elements while it is at rest: ``print``, arithmetic, ``clone``,
+``grad``, hooks, ``is_shared()`` (Lightning's spawn launcher asks it), ``is_pinned()``, strides, ...: what a
+plain tensor answers from its sizes, flags and storage pointer, never a view of its storage) and raises a
+``RuntimeError`` naming the parameter and ``gathered_params()`` for anything that would read or write its
+elements while it is at rest: ``print``, arithmetic, ``clone``,
 ``copy.deepcopy``, ``state_dict()`` (which detaches), ``torch.save``. Inside a gather it behaves like any
 parameter; ``copy.deepcopy`` of a gathered one is a plain ``nn.Parameter`` with the full values. Comparing
 two different parameters with ``torch.equal`` while one rests is answered from what is known without the
@@ -38,7 +40,8 @@ _METADATA: frozenset[Callable[..., Any]] = frozenset(
             "shape", "dtype", "device", "layout", "ndim", "requires_grad", "grad", "grad_fn", "is_leaf",
             "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "names", "_version",
             "_base", "itemsize", "nbytes", "is_mps", "is_xpu", "output_nr", "_post_accumulate_grad_hooks",
-            "retains_grad", "_backward_hooks",
+            "retains_grad", "_backward_hooks", "is_sparse_csr", "is_mkldnn", "is_vulkan", "is_ipu", "is_xla",
+            "is_mtia", "is_maia",
         )
         if hasattr(Tensor, name) and hasattr(getattr(Tensor, name), "__get__")
     ]
@@ -50,8 +53,8 @@ _METADATA: frozenset[Callable[..., Any]] = frozenset(
     + [
         getattr(torch, name)  # functional forms, and factories that take only the shape, dtype and device
         for name in (
-            "numel", "is_floating_point", "is_complex", "zeros_like", "ones_like", "empty_like",
-            "full_like", "rand_like", "randn_like", "randint_like",
+            "numel", "is_floating_point", "is_complex", "is_conj", "is_neg", "is_same_size", "zeros_like",
+            "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
         )
         if hasattr(torch, name)
     ]
@@ -62,7 +65,8 @@ _METADATA: frozenset[Callable[..., Any]] = frozenset(
             "ndimension", "element_size", "is_floating_point", "is_complex",
             "is_contiguous", "stride", "storage_offset", "untyped_storage", "requires_grad_", "register_hook",
             "register_post_accumulate_grad_hook", "__hash__", "__len__", "get_device", "is_signed",
-            "_is_view", "is_inference", "data_ptr", "retain_grad",
+            "_is_view", "is_inference", "data_ptr", "retain_grad", "is_shared", "is_set_to", "is_same_size",
+            "is_conj", "is_neg", "dim_order", "sparse_dim", "dense_dim", "is_distributed", "__dlpack_device__",
         )
         if hasattr(Tensor, name)
     ]

@@ -4,8 +4,10 @@
 A unit is a module whose parameters are gathered together: the modules chosen by ``wrap_policy`` (a
 set of module classes or a ``callable(module) -> bool``) plus the root for everything else. With no
 policy, the outermost modules whose class occurs at least twice and that hold parameters become units
-(the repeated blocks of a network, e.g. transformer layers). A parameter belongs to the innermost unit
-that contains every module using it, so a weight tied across units (an embedding and an output head)
+(the repeated blocks of a network, e.g. transformer layers). A policy that chooses no module warns, naming the
+model's module classes and a class that has the name of a policy class but another module (a ``Block`` defined in
+the script that runs is ``__main__.Block``): the model would be one unit. A parameter belongs to the innermost
+unit that contains every module using it, so a weight tied across units (an embedding and an output head)
 lives once, in their common ancestor, and has one gradient. Units nest: gathering a unit does not
 gather the units inside it.
 
@@ -25,6 +27,7 @@ Between uses every parameter rests (see [Note: stage-3 parameters at rest]).
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -44,7 +47,10 @@ def select_units(root: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
     if policy is None:
         return _repeated_blocks(root)
     matches = policy_matcher(policy)
-    return [m for m in root.modules() if m is not root and matches(m)]
+    units = [m for m in root.modules() if m is not root and matches(m)]
+    if not units and not matches(root):
+        warn_unmatched_policy(root, policy, "wrap_policy", "stage 3 gathers the whole model as one unit")
+    return units
 
 
 def policy_matcher(policy: set[type[nn.Module]] | Callable[[nn.Module], bool]) -> Callable[[nn.Module], bool]:
@@ -52,6 +58,49 @@ def policy_matcher(policy: set[type[nn.Module]] | Callable[[nn.Module], bool]) -
     if isinstance(policy, set | frozenset | list | tuple):
         return _class_policy(policy)
     return policy
+
+
+def warn_unmatched_policy(root: nn.Module, policy: Any, option: str, consequence: str) -> None:
+    """Warn that ``policy`` chose no module of ``root``: name it, the model's module classes, and any class that has
+    a policy class's name but another module (a ``Block`` defined in the script that runs is ``__main__.Block``, not
+    the ``examples.gpt.Block`` the policy names). The text depends on the model only, so every rank warns alike."""
+    present = list(dict.fromkeys(type(m) for m in root.modules()))
+    wanted = [c for c in policy if isinstance(c, type)] if isinstance(policy, set | frozenset | list | tuple) else []
+    shown = ", ".join(_class_name(c) for c in present[:_LISTED])
+    more = f" and {len(present) - _LISTED} more" if len(present) > _LISTED else ""
+    message = (
+        f"{option}={_policy_name(policy)} matches no module of the model ({_class_name(type(root))}), so "
+        f"{consequence}. The model's module classes: {shown}{more}."
+    )
+    for cls in sorted(wanted, key=_class_name):
+        twins = [c for c in present if c.__qualname__ == cls.__qualname__ and c is not cls]
+        for twin in twins:
+            message += f" The model's {_class_name(twin)} has the name of {_class_name(cls)} but is another class "
+            message += (
+                f"(module {twin.__module__!r}, not {cls.__module__!r}); a class defined in the script that runs "
+                "belongs to '__main__'."
+                if twin.__module__ != cls.__module__
+                else "object (its module was imported twice, e.g. reloaded)."
+            )
+            message += " Name the class the model is built from, or pass a callable(module) -> bool."
+    warnings.warn(message, UserWarning, stacklevel=3)
+
+
+_LISTED = 12  # module classes named in the warning; a large model lists the rest as a count
+
+
+def _class_name(cls: type) -> str:
+    """``nn.Linear`` for torch's own modules, ``module.Qualname`` otherwise."""
+    if getattr(nn, cls.__name__, None) is cls:
+        return f"nn.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _policy_name(policy: Any) -> str:
+    if isinstance(policy, set | frozenset | list | tuple):
+        names = sorted(_class_name(c) if isinstance(c, type) else repr(c) for c in policy)
+        return "{" + ", ".join(names) + "}"
+    return getattr(policy, "__qualname__", None) or repr(policy)
 
 
 def _repeated_blocks(root: nn.Module) -> list[nn.Module]:

@@ -8,6 +8,7 @@ rank alike returns its error message, so the tests can assert on it.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -192,6 +193,22 @@ def _interleaved_case(rank: int, announced: bool) -> str:
     return "no error"
 
 
+def _unmatched_policy_case(rank: int) -> list[str]:
+    """Stage 3 with a wrap_policy naming a class of another module (the ``__main__`` trap): the warnings raised
+    while the engine is built; it then trains, the whole model one unit."""
+    twin = type("Block", (nn.Module,), {"__module__": "__main__", "__qualname__": "Block"})
+    torch.manual_seed(0)
+    model = TinyLM(nested=True)
+    optimizer = _sgd(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = ZeroEngine(model, [optimizer], EngineOptions(stage=3, wrap_policy={twin}), Communicator())
+    loss_fn(model, *batch(seed=rank)).backward()
+    optimizer.step()
+    engine.release()
+    return [str(w.message) for w in caught if "wrap_policy" in str(w.message)]
+
+
 def _all_cases(rank: int, world_size: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for stage in STAGES:
@@ -202,6 +219,7 @@ def _all_cases(rank: int, world_size: int) -> dict[str, Any]:
     results["gathered_state_dict"] = _gathered_state_dict_case(rank)
     results["interleaved"] = _interleaved_case(rank, announced=True)
     results["interleaved_unannounced"] = _interleaved_case(rank, announced=False)
+    results["unmatched_policy"] = _unmatched_policy_case(rank)
     return results
 
 
@@ -246,3 +264,12 @@ def test_backward_of_an_earlier_forward_raises_naming_the_unit(results: list[dic
         message = result["interleaved"]
         assert "is needed by this backward pass" in message, f"rank {rank}: {message}"
         assert "forward A, forward B, backward A, backward B" in message, f"rank {rank}: {message}"
+
+
+def test_a_wrap_policy_that_matches_nothing_warns_once_on_every_rank(results: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(results):
+        assert len(result["unmatched_policy"]) == 1, f"rank {rank}: {result['unmatched_policy']}"
+        message = result["unmatched_policy"][0]
+        assert message.startswith("wrap_policy={__main__.Block} matches no module"), f"rank {rank}: {message}"
+        assert "tests.distributed.models.Block has the name of __main__.Block" in message, f"rank {rank}: {message}"
+    assert results[0]["unmatched_policy"] == results[1]["unmatched_policy"]

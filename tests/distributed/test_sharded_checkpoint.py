@@ -225,6 +225,41 @@ def test_damaged_checkpoint_raises_a_clear_error_on_every_rank(
         assert result[case] == results["per_rank"][0][case]  # the same error on every rank
 
 
+def _file_bytes(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_consolidate_refuses_an_output_inside_the_checkpoint_and_writes_nothing(
+    results: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An output among the shards (a shard's own name, any new file, a subdirectory, through a symlink or ``..``)
+    would be renamed into the checkpoint being read and could replace a shard: it is refused before any write."""
+    import lightning_zero
+    from lightning_zero.cli import main
+
+    checkpoint = tmp_path / "small"
+    shutil.copytree(results["dir"] / "small", checkpoint)
+    (checkpoint / "sub").mkdir()
+    (tmp_path / "link").symlink_to(checkpoint, target_is_directory=True)
+    before = _file_bytes(checkpoint)
+    outputs = [
+        checkpoint / "rank_0.pt",
+        checkpoint / "consolidated.ckpt",
+        checkpoint / "sub" / "out.ckpt",
+        tmp_path / "link" / "rank_1.pt",
+        tmp_path / "elsewhere" / ".." / "small" / "metadata.json",
+    ]
+    for out in outputs:
+        with pytest.raises(ValueError, match=r"is inside the sharded checkpoint .* it reads; writing it there"):
+            lightning_zero.consolidate(checkpoint, out)
+        assert main(["consolidate", str(checkpoint), str(out)]) == 1
+        assert "is inside the sharded checkpoint" in capsys.readouterr().err
+        assert main(["consolidate", str(tmp_path / "link"), str(out)]) == 1  # the source named through the link
+        assert _file_bytes(checkpoint) == before, out
+    assert main(["consolidate", str(checkpoint), str(tmp_path / "small.ckpt")]) == 0  # beside it: fine, and intact
+    assert torch.load(tmp_path / "small.ckpt", weights_only=False)["state_dict"]
+
+
 CONSOLIDATE = """
 import json, resource, sys, torch
 from lightning_zero.checkpoint import ShardedCheckpoint, consolidate

@@ -171,15 +171,54 @@ def value_probes(module: nn.Module, name: str) -> dict[str, dict[str, Any]]:
 
 
 def metadata_of(param: Tensor) -> dict[str, Any]:
-    """The queries that need no values."""
-    return {
-        "shape": tuple(param.shape),
-        "numel": param.numel(),
-        "dtype": param.dtype,
-        "device": str(param.device),
-        "requires_grad": param.requires_grad,
-        "dim": param.dim(),
+    """The queries that need no values (those asked of every parameter by Lightning and torch included), each
+    answered or ``"raised ..."``; ``storage_offset()`` and ``data_ptr()`` only by their type, as the storage differs
+    between strategies (a view of a flat buffer, or none at rest)."""
+    queries: dict[str, Callable[[], Any]] = {
+        "shape": lambda: tuple(param.shape),
+        "size(0)": lambda: param.size(0),
+        "numel": param.numel,
+        "nelement": param.nelement,
+        "torch.numel": lambda: torch.numel(param),
+        "len": lambda: len(param),
+        "dtype": lambda: param.dtype,
+        "device": lambda: str(param.device),
+        "get_device": param.get_device,
+        "layout": lambda: param.layout,
+        "requires_grad": lambda: param.requires_grad,
+        "is_leaf": lambda: param.is_leaf,
+        "grad_fn": lambda: param.grad_fn,
+        "dim": param.dim,
+        "ndim": lambda: param.ndim,
+        "nbytes": lambda: param.nbytes,
+        "element_size": param.element_size,
+        "itemsize": lambda: param.itemsize,
+        "stride": param.stride,
+        "dim_order": param.dim_order,
+        "is_contiguous": param.is_contiguous,
+        "is_shared": param.is_shared,
+        "is_pinned": param.is_pinned,
+        "is_same_size": lambda: param.is_same_size(param),
+        "is_floating_point": param.is_floating_point,
+        "is_complex": param.is_complex,
+        "is_signed": param.is_signed,
+        "is_conj": param.is_conj,
+        "is_neg": param.is_neg,
+        "is_inference": param.is_inference,
+        "device_flags": lambda: (param.is_cuda, param.is_cpu, param.is_meta, param.is_mkldnn, param.is_xla),
+        "layout_flags": lambda: (param.is_sparse, param.is_sparse_csr, param.is_quantized, param.is_nested),
+        "sparse_dense_dim": lambda: (param.sparse_dim(), param.dense_dim()),
+        "type": param.type,
+        "storage_offset": lambda: type(param.storage_offset()).__name__,
+        "data_ptr": lambda: type(param.data_ptr()).__name__,
     }
+    answers = {}
+    for query, ask in queries.items():
+        try:
+            answers[query] = ask()
+        except Exception as error:
+            answers[query] = f"raised {type(error).__name__}: {error}"
+    return answers
 
 
 # ---------------------------------------------------------------------------------------------- models

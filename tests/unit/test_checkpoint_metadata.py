@@ -122,3 +122,15 @@ def test_a_different_model_names_its_first_difference(tmp_path: Path) -> None:
         check_same_model(metadata, {**same, "a.bias": {"shape": [4], "dtype": "int64"}}, "ckpt")
     with pytest.raises(CheckpointError, match="param groups hold"):
         check_same_optimizers(metadata, [[["a.weight"], ["a.bias"]]], "ckpt")
+
+
+def test_without_strict_only_the_tensors_in_both_are_loaded_and_shapes_still_checked(tmp_path: Path) -> None:
+    metadata = _write(tmp_path / "ckpt")
+    same = {name: dict(spec, ranges=[]) for name, spec in TENSORS.items()}
+    assert check_same_model(metadata, same, "ckpt", strict=False) == list(same)
+    grown = {**same, "c.weight": {"shape": [2], "dtype": "float32"}}  # missing from the checkpoint: skipped
+    assert check_same_model(metadata, grown, "ckpt", strict=False) == list(same)
+    shrunk = {"a.weight": same["a.weight"]}  # the checkpoint's other tensors are unexpected: skipped
+    assert check_same_model(metadata, shrunk, "ckpt", strict=False) == ["a.weight"]
+    with pytest.raises(CheckpointError, match=r"tensor 'a.bias' has shape \[4\] there, \[5\] here"):
+        check_same_model(metadata, {**same, "a.bias": {"shape": [5], "dtype": "float32"}}, "ckpt", strict=False)

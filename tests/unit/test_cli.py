@@ -66,6 +66,26 @@ def test_offload_params_applies_to_stage_3_only(capsys: pytest.CaptureFixture[st
     assert rows["3"] == ["0.00 MB", "0.24 MB", "0.48 MB", "0.24 MB", "0.72 MB"]
 
 
+def test_accumulation_adds_the_waiting_reduction_with_both_offloads_on_nvme(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # fp32, Ψ = 120,576, N = 2: offloaded at stage 3 is (4 + 4 + 12)Ψ/2 = 1.21 MB, accumulating + 4Ψ/2 = 1.45 MB.
+    argv = ["estimate", "--model", GPT, "--world-size", "2", "--precision", "32-true"]
+    argv += ["--offload-optimizer", "nvme", "--offload-params", "nvme"]
+    assert main(argv) == 0
+    output = capsys.readouterr().out
+    assert "accumulate_grad_batches=1" in output
+    assert _rows(output)["3"][3] == "1.21 MB"
+    assert main([*argv, "--accumulate-grad-batches", "4"]) == 0
+    assert _rows(capsys.readouterr().out)["3"][3] == "1.45 MB"
+    config = tmp_path / "c.yaml"
+    config.write_text("model: {}\ntrainer:\n  accumulate_grad_batches: 2\n")
+    assert main([*argv, "--config", str(config)]) == 0  # the Trainer's flag, read from the config
+    output = capsys.readouterr().out
+    assert "accumulate_grad_batches=2" in output
+    assert _rows(output)["3"][3] == "1.45 MB"
+
+
 def test_estimate_reads_the_model_section_of_a_lightning_cli_config(capsys: pytest.CaptureFixture[str]) -> None:
     # examples/configs/zero1.yaml gives plain init args (the default shape); the class comes from --model.
     config = str(REPO / "examples" / "configs" / "zero1.yaml")

@@ -35,6 +35,11 @@ def test_defaults_follow_the_contract() -> None:
         ({"state_dict_type": "local"}, r"state_dict_type='local' is not supported"),
         ({"bucket_cap_mb": 0}, r"bucket_cap_mb must be > 0, got 0"),
         ({"bucket_cap_mb": "25"}, r"bucket_cap_mb must be a number"),
+        ({"bucket_cap_mb": float("nan")}, r"bucket_cap_mb must be > 0, got nan"),
+        ({"bucket_cap_mb": float("-inf")}, r"bucket_cap_mb must be > 0, got -inf"),
+        ({"bucket_cap_mb": float("inf")}, r"bucket_cap_mb must be at most \d+ \(2\*\*63 - 1 bytes.*got inf"),
+        ({"bucket_cap_mb": 1e308}, r"bucket_cap_mb must be at most .*got 1e\+308"),  # finite, but its bytes are not
+        ({"bucket_cap_mb": 2**2000}, r"bucket_cap_mb must be at most .*characters\)"),  # int: never a float
         ({"overlap_comm": "yes"}, r"overlap_comm must be True or False"),
         ({"shard_size": 0}, r"shard_size must be a positive int or None, got 0"),
         ({"process_group_backend": "mpi"}, r"process_group_backend='mpi' is not supported"),
@@ -84,3 +89,18 @@ def test_policies_accept_import_paths_as_yaml_gives_them() -> None:
     assert ZeroConfig(wrap_policy=[nn.Linear, "torch.nn.Embedding"]).wrap_policy == {nn.Linear, nn.Embedding}
     policy = lambda module: False  # noqa: E731 - a callable passes through unchanged
     assert ZeroConfig(wrap_policy=policy).wrap_policy is policy
+
+
+@pytest.mark.parametrize("cap_mb", [float("nan"), float("inf"), 1e308, 2**70])
+def test_engine_options_refuse_bucket_caps_without_a_byte_count(cap_mb: float) -> None:
+    # The core's own options are checked the same way (its users build them without ZeroConfig).
+    from lightning_zero.core.options import EngineOptions
+
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        EngineOptions(bucket_cap_mb=cap_mb)
+
+
+def test_the_largest_bucket_cap_has_a_byte_count() -> None:
+    from lightning_zero.core.options import MAX_BUCKET_CAP_MB
+
+    assert ZeroConfig(bucket_cap_mb=MAX_BUCKET_CAP_MB).bucket_cap_bytes <= 2**63 - 1

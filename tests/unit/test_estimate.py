@@ -138,6 +138,22 @@ def test_offload_params_moves_the_parameter_shard_at_stage_3(model: nn.Module, t
     assert both.total == on_device.gradients
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_accumulation_with_both_offloads_on_nvme_adds_the_waiting_reduction(model: nn.Module, precision: str) -> None:
+    """ZeRO-Infinity keeps the gradient shard in the swap file; accumulating, each reduction's fp32 result waits in a
+    second region there until backward ends: 4 bytes per trained element / N more, in every precision."""
+    options = {"stage": 3, "world_size": 4, "precision": precision}
+    nvme = {"offload_optimizer": "nvme", "offload_params": "nvme"}
+    once = estimate_memory(model, **options, **nvme)
+    accumulating = estimate_memory(model, **options, **nvme, accumulate_grad_batches=4)
+    assert accumulating.offloaded - once.offloaded == 4 * TRAINABLE // 4
+    assert (accumulating.params, accumulating.gradients, accumulating.total) == (0, 0, 0)
+    elsewhere = [{"offload_optimizer": "cpu", "offload_params": "nvme"}, {"offload_optimizer": "nvme"}, {}]
+    for offload in elsewhere:  # the gradient shard in memory: accumulation adds nothing that stays
+        kept = estimate_memory(model, **options, **offload)
+        assert estimate_memory(model, **options, **offload, accumulate_grad_batches=4) == kept, offload
+
+
 def test_memory_estimate_is_a_frozen_record_like_memory_report(model: nn.Module) -> None:
     estimate = estimate_memory(model, stage=2, world_size=4, precision="32-true")
     assert estimate.as_dict() == {
@@ -196,6 +212,9 @@ def test_a_70b_model_on_the_meta_device_is_estimated_without_allocation() -> Non
         ({"offload_params": "disk", "stage": 3}, r"offload_params='disk' is not supported"),
         ({"offload_optimizer": "cpu", "stage": 0}, r"offload_optimizer='cpu' needs stage >= 1, got stage=0"),
         ({"offload_params": "cpu", "stage": 2}, r"offload_params='cpu' needs stage=3, got stage=2"),
+        ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches=0 is not supported; choose a positive int"),
+        ({"accumulate_grad_batches": True}, r"accumulate_grad_batches=True is not supported"),
+        ({"accumulate_grad_batches": 2.0}, r"accumulate_grad_batches=2.0 is not supported"),
     ],
 )
 def test_invalid_arguments_raise_value_error(model: nn.Module, kwargs: dict, match: str) -> None:

@@ -18,7 +18,7 @@ VALUES = {
     "offload_params": [False, "cpu", "nvme", "disk", None],
     "nvme_path": [None, "/tmp", "", 3],
     "partition": ["flat", "parameter", "tensor"],
-    "bucket_cap_mb": [25, 0, -1, 0.001, float("nan"), "25"],
+    "bucket_cap_mb": [25, 0, -1, 0.001, float("nan"), float("inf"), 1e308, "25"],
     "state_dict_type": ["sharded", "full", "zip"],
     "start_method": ["popen", "spawn", "fork", "forkserver"],
     "shard_size": [None, 1, 2, 0, -2],
@@ -33,11 +33,12 @@ PAIRS = [((a, va), (b, vb)) for a, b in itertools.combinations(VALUES, 2) for va
 
 def _build(options: dict[str, object]) -> str:
     try:
-        ZeroStrategy(**options)
+        strategy = ZeroStrategy(**options)
     except ValueError:
         return "ValueError"
     except NotImplementedError:
         return "NotImplementedError"
+    assert strategy.config.engine_options().bucket_cap_bytes >= 0  # what setup derives from the options exists too
     return "ok"
 
 
