@@ -289,9 +289,9 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if any(t.is_meta for t in [*self.model.parameters(), *self.model.buffers()]):
-            return  # created in configure_model under stage 3: the engine creates each unit on the device
-        self.model.to(self.root_device)
+        # Modules created in configure_model under stage 3 are on the meta device: the engine creates each unit on the
+        # device. Everything else (metrics, modules made in __init__) moves now, as Lightning moves a whole model.
+        move_materialized(self.model, self.root_device)
 
     @contextmanager
     @override
@@ -660,3 +660,17 @@ def _load_sharded_optimizers(engine: ZeroEngine, checkpoint: ShardedCheckpoint, 
             "weights with a fresh optimizer, load them with lightning_zero.load_from_checkpoint(Model, path, "
             "strict=False) and fit without ckpt_path.)"
         ) from error
+
+
+def move_materialized(module: torch.nn.Module, device: torch.device) -> None:
+    """``module.to(device)`` for every part of ``module`` that holds no meta tensor: whole subtrees where none is
+    (torchmetrics metrics keep their states outside parameters and buffers, and only ``to`` moves those), the own
+    buffers of a module whose children are partly on the meta device. Meta tensors stay for the engine."""
+    if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        module.to(device)
+        return
+    for child in module.children():
+        move_materialized(child, device)
+    for name, buffer in module._buffers.items():
+        if buffer is not None and not buffer.is_meta:
+            module._buffers[name] = buffer.to(device)

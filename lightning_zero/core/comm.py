@@ -6,6 +6,14 @@ all-gather or reduce-scatter of a Ψ-element fp32 buffer counts 4Ψ bytes, an al
 (it is a reduce-scatter plus an all-gather). In these units DDP moves 2Ψ elements a step, ZeRO
 stages 1 and 2 also 2Ψ, and stage 3 3Ψ, as in the ZeRO paper (section 7).
 
+[Note: host tensors on NCCL]
+NCCL takes device tensors only, but with offload the fp32 masters, optimizer state and their gradients rest on the
+host, and a full state dict, ``release()`` or a clipping norm gathers or reduces them. A collective whose tensors
+rest on the host is therefore staged through the device: copied there, run (and waited for), copied back, and
+counted once. That happens only off the per-step path (state dicts) or on scalars (norms); gloo takes host tensors
+as they are. Found by benchmarks/gpu_check.py on an H200: every offload mode failed "No backend type associated
+with device type cpu" before.
+
 [Note: uneven collectives]
 With ``partition="parameter"`` (see [Note: owner layout]) the ranks' parts of a buffer differ in size, and
 neither gloo nor torch's single-tensor collectives take uneven parts. An uneven all-gather is one broadcast
@@ -95,6 +103,10 @@ class Communicator:
             self._companion = Communicator(group, notices=self.notices)
         return self._companion
 
+    def _on_host(self, *tensors: Tensor) -> bool:
+        """A tensor of the collective rests on the host while the backend (NCCL) takes device tensors only."""
+        return self._object_device is not None and any(t.device.type == "cpu" for t in tensors)
+
     def post_failure(self, error: BaseException) -> None:
         """This rank raised ``error`` and lives on: the others' waits end with it named (see [Note: a rank that
         raises and stays alive]). A no-op without notices (NCCL) and for errors that are about another rank."""
@@ -107,6 +119,10 @@ class Communicator:
         """Sum ``input`` over ranks; this rank receives its ``1/world_size`` part in ``output`` (its ``sizes[rank]``
         elements, after those of the lower ranks, with uneven ``sizes``: see [Note: uneven collectives]). ``input``
         is spent (its other parts may be overwritten)."""
+        if self._on_host(output, input):  # see [Note: host tensors on NCCL]
+            staged = torch.empty_like(output, device=self._object_device)
+            self.reduce_scatter(staged, input.to(self._object_device), sizes=sizes)
+            return _copied_back(output, staged, async_op)
         self.stats.add("reduce_scatter", input.numel() * input.element_size())
         what = self._what("reduce-scatter", input)
         if sizes is not None:
@@ -123,6 +139,10 @@ class Communicator:
     ) -> Work | None:
         """Concatenate every rank's ``input`` into ``output`` (``input`` may be this rank's part of it); with
         ``sizes``, rank ``r``'s input has ``sizes[r]`` elements (see [Note: uneven collectives])."""
+        if self._on_host(output, input):  # see [Note: host tensors on NCCL]
+            staged = torch.empty_like(output, device=self._object_device)
+            self.all_gather(staged, input.to(self._object_device), sizes=sizes)
+            return _copied_back(output, staged, async_op)
         self.stats.add("all_gather", output.numel() * output.element_size())
         what = self._what("all-gather", output)
         if sizes is not None:
@@ -132,6 +152,11 @@ class Communicator:
 
     def all_reduce(self, tensor: Tensor, op: str = "sum", counted: bool = True) -> None:
         """Reduce ``tensor`` over the ranks in place (``counted=False``: not the engine's, e.g. a logged metric)."""
+        if self._on_host(tensor):  # see [Note: host tensors on NCCL]
+            staged = tensor.to(self._object_device)
+            self.all_reduce(staged, op, counted)
+            tensor.copy_(staged)
+            return
         if counted:
             self.stats.add("all_reduce", 2 * tensor.numel() * tensor.element_size())
         what = self._what("all-reduce", tensor)
@@ -139,6 +164,11 @@ class Communicator:
 
     def broadcast(self, tensor: Tensor, src: int = 0) -> None:
         """Overwrite ``tensor`` with rank ``src``'s (``src`` is a rank of this group)."""
+        if self._on_host(tensor):  # see [Note: host tensors on NCCL]
+            staged = tensor.to(self._object_device)
+            self.broadcast(staged, src)
+            tensor.copy_(staged)
+            return
         self.stats.add("broadcast", tensor.numel() * tensor.element_size())
         self._broadcast(self._what("broadcast", tensor), tensor, src)
 
@@ -273,6 +303,12 @@ def _timeout_of(group: dist.ProcessGroup | None) -> timedelta | None:
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _copied_back(output: Tensor, staged: Tensor, async_op: bool) -> Any:
+    """After a collective staged through the device (complete): its result copied into the host ``output``."""
+    output.copy_(staged)
+    return UnevenWork([]) if async_op else None  # a work that is already complete
 
 
 def _finish(work: Any, async_op: bool) -> Any:

@@ -173,10 +173,10 @@ class OptimizerStep:
             overflow = torch.zeros((), dtype=torch.uint8, device=self.device)
             for grad in self._step_grads:
                 if grad is not None:
-                    overflow |= ~torch.isfinite(grad).all()  # no host sync per tensor
+                    overflow |= (~torch.isfinite(grad).all()).to(self.device)  # no host sync per tensor on the device
             for _, grads in self._paged.each():
                 for grad in grads:
-                    overflow |= ~torch.isfinite(grad).all()
+                    overflow |= (~torch.isfinite(grad).all()).to(self.device)  # paged: on the host
             self.comm.all_reduce(overflow, op="max")
             self._finite = not overflow.item()
         self.state = StepState.PREPARED
@@ -206,18 +206,20 @@ class OptimizerStep:
         """Clip the step gradients by their global norm over all shards; returns the norm (collective)."""
         self.prepare()
         device = self.device
-        if math.isinf(norm_type):
-            terms = self._per_gradient(lambda g: g.abs().max())
+        if math.isinf(norm_type):  # each term on the control device: offloaded gradients rest on the host
+            terms = self._per_gradient(lambda g: g.abs().max().to(device))
             local = torch.stack(terms).max() if terms else torch.zeros((), device=device)
             total = local.float().clone()
             self.comm.all_reduce(total, op="max")
         else:
-            terms = self._per_gradient(lambda g: torch.linalg.vector_norm(g, norm_type).float() ** norm_type)
+            terms = self._per_gradient(
+                lambda g: (torch.linalg.vector_norm(g, norm_type).float() ** norm_type).to(device)
+            )
             total = sum(terms, torch.zeros((), device=device))
             self.comm.all_reduce(total, op="sum")
             total = total ** (1.0 / norm_type)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s
-        self._transform(lambda grad: grad.mul_(coefficient.to(grad.dtype)))
+        self._transform(lambda grad: grad.mul_(coefficient.to(grad.device, grad.dtype)))
         return total
 
     def clip_grad_value_(self, clip_value: float) -> None:

@@ -173,3 +173,32 @@ def test_a_setup_that_fails_part_way_reports_its_own_error() -> None:
         assert message.startswith("RuntimeError"), (rank, message)
         assert "reset_parameters()" in message, (rank, message)
         assert "meta tensor" not in message.split("reset_parameters")[0], (rank, message)
+
+
+def test_what_configure_model_did_not_create_moves_to_the_device() -> None:
+    """A stage-3 model built partly in configure_model (on the meta device) and partly in ``__init__`` (a torchmetrics
+    metric, a buffer of the root): the strategy moves every materialized part to the root device (here the meta device
+    stands in for a GPU: a CPU-only machine has no other) and leaves the meta parts for the engine. On an H200 the
+    example GPT's Perplexity metric stayed on the CPU ("Encountered different devices in metric calculation")."""
+    import torchmetrics
+
+    from lightning_zero.strategy import move_materialized
+
+    class Partly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.metric = torchmetrics.MeanMetric()
+            self.register_buffer("scale", torch.ones(3))
+            with torch.device("meta"):
+                self.body = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+            self.head = nn.Linear(2, 2)
+
+    model = Partly()
+    move_materialized(model, torch.device("meta"))
+    assert model.scale.is_meta
+    assert model.head.weight.is_meta
+    assert model.metric.mean_value.is_meta  # a metric state: moved by the metric's own `to`
+    assert model.body[0].weight.is_meta  # untouched, still to be created by the engine
+    whole = nn.Linear(2, 2)
+    move_materialized(whole, torch.device("meta"))
+    assert whole.weight.is_meta
