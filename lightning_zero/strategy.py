@@ -548,9 +548,13 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero and os.path.isdir(filepath):
+        """Rank 0 removes ``filepath``: a sharded directory, a symbolic link to one (the link only:
+        ``ModelCheckpoint(save_last="link")``'s ``last.ckpt``) or a file."""
+        if not self.is_global_zero:
+            return
+        if os.path.islink(filepath) or os.path.isdir(filepath):
             remove_sharded(filepath)
-        elif not os.path.isdir(filepath):
+        else:
             super().remove_checkpoint(filepath)
 
     # ------------------------------------------------------------------ lifecycle

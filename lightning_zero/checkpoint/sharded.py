@@ -15,6 +15,11 @@ aside, renames the new directory to ``path``, deletes the old one and any leftov
 and the ranks agree once more on that. A crash at any moment leaves a loadable checkpoint: before the rename, the
 old ``path``; between moving it aside and the rename, both copies, and loading ``path`` finds the newest complete
 one (:func:`committed_path`) and says so.
+
+[Note: symbolic links to checkpoints]
+``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` a symbolic link to the newest checkpoint directory. A
+link is never followed to write or delete: a save whose path is a link replaces the link (the checkpoint it
+pointed to stays as it was), and removing a link removes the link only. Reading follows it, as any path.
 """
 
 from __future__ import annotations
@@ -140,7 +145,9 @@ def _sync(path: Path) -> None:
 
 def _commit(tmp: Path, path: Path, token: str) -> None:
     old = path.with_name(f"{path.name}.old-{token}")
-    if path.is_dir():
+    if path.is_symlink():  # replaced, not followed: see [Note: symbolic links to checkpoints]
+        path.unlink()
+    elif path.is_dir():
         path.rename(old)
     elif path.exists():
         path.unlink()
@@ -154,8 +161,8 @@ def _remove_leftovers(path: Path) -> None:
     """Directories that interrupted saves to ``path`` left behind (``.tmp-*``, ``.old-*``): ``path`` is newer."""
     for kind in ("tmp", "old"):
         for leftover in path.parent.glob(f"{glob.escape(path.name)}.{kind}-*"):
-            if leftover.is_dir():
-                shutil.rmtree(leftover, ignore_errors=True)
+            if leftover.is_symlink() or leftover.is_dir():
+                remove_sharded(leftover)
 
 
 def committed_path(path: str | Path) -> Path:
@@ -179,7 +186,13 @@ def committed_path(path: str | Path) -> Path:
 
 
 def remove_sharded(path: str | Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Delete a checkpoint directory; a symbolic link is removed, never what it points to (see
+    [Note: symbolic links to checkpoints])."""
+    path = Path(path)
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class ShardedCheckpoint:
