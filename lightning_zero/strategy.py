@@ -43,6 +43,8 @@ from lightning_zero.checkpoint import (
     remove_sharded,
     save_sharded,
 )
+from lightning_zero.checkpoint.state import tensor_specs
+from lightning_zero.checkpoint.state_view import saving_changes, saving_state_dict, values_of
 from lightning_zero.config import START_METHODS, Offload, ZeroConfig
 from lightning_zero.core.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.comm import CommStats, Communicator
@@ -488,8 +490,9 @@ class ZeroStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         if self._engine is None:
             return self.lightning_module.state_dict()
-        if self._sharded_checkpoints:
-            return {}  # save_checkpoint writes each rank's shards instead
+        if self._sharded_checkpoints:  # save_checkpoint writes each rank's shards; hooks see the keys
+            state = self._engine.named_state()
+            return saving_state_dict(state.state_dict_keys(), tensor_specs(state))
         # Only rank 0 writes the file: it alone collects the tensors, gathered one stage-3 unit at a time.
         return self._engine.full_state_dict(keep=self.is_global_zero)
 
@@ -497,10 +500,14 @@ class ZeroStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
         if _SHARDED_KEY in checkpoint and self._engine is not None:
-            load_sharded_params(self._engine.named_state(), checkpoint[_SHARDED_KEY], strict=strict)
+            # As on_load_checkpoint left it: see [Note: the state_dict of sharded checkpoint hooks].
+            state = self._engine.named_state()
+            sharded = checkpoint[_SHARDED_KEY].as_left_by_hook(checkpoint["state_dict"], state.state_dict_keys())
+            checkpoint[_SHARDED_KEY] = sharded  # load_optimizer_state_dict follows the same names
+            load_sharded_params(state, sharded, strict=strict)
             return
         if _SHARDED_KEY in checkpoint:  # e.g. validate() at stages 1 and 2: the plain module, in full
-            self.lightning_module.load_state_dict(checkpoint[_SHARDED_KEY].full_state_dict(), strict=strict)
+            self.lightning_module.load_state_dict(values_of(checkpoint["state_dict"]), strict=strict)
             return
         if self._engine is None:
             self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
@@ -545,8 +552,9 @@ class ZeroStrategy(ParallelStrategy):
             return
         from lightning_zero import __version__
 
-        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         assert self._engine is not None
+        self._refuse_changed_state_dict(checkpoint.get("state_dict"))
+        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         with_optimizers = "optimizer_states" in checkpoint  # absent for save_checkpoint(weights_only=True)
         save_sharded(
             self._engine.named_state(),
@@ -558,13 +566,31 @@ class ZeroStrategy(ParallelStrategy):
             partition=self.config.partition,
         )
 
+    def _refuse_changed_state_dict(self, state_dict: Any) -> None:
+        """Raise on every rank where a hook changed ``checkpoint["state_dict"]`` on any rank (collective): see
+        [Note: the state_dict of sharded checkpoint hooks]."""
+        assert self._engine is not None
+        comm = self._engine.comm
+        change = saving_changes(state_dict, self._engine.named_state().state_dict_keys())
+        changes = {rank: change for rank, change in enumerate(comm.all_gather_object(change)) if change}
+        if not changes:
+            return
+        rank, change = next(iter(changes.items()))
+        raise CheckpointError(
+            f"on_save_checkpoint (of the LightningModule or of a callback) changed checkpoint['state_dict'] on "
+            f"{len(changes)} of {comm.world_size} ranks (rank {rank}: {change}). A sharded checkpoint saves each "
+            "rank's shards of the module's own tensors and cannot hold a changed state_dict (ModelPruning("
+            "make_pruning_permanent=True) and WeightAveraging change it). Nothing was saved. Save full "
+            "checkpoints, ZeroStrategy(state_dict_type='full'), or rename keys when loading: on_load_checkpoint can."
+        )
+
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         if not os.path.isdir(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         sharded = ShardedCheckpoint(checkpoint_path, comm=self._comm)  # the ranks share the checksums
         checkpoint = sharded.lightning_state()
-        checkpoint["state_dict"] = {}
+        checkpoint["state_dict"] = sharded.lazy_state_dict()  # values read only if a hook uses them
         if sharded.metadata.get("optimizer_states", bool(sharded.metadata["optimizers"])):
             # else saved with weights_only=True: Lightning then says so
             checkpoint["optimizer_states"] = [{} for _ in sharded.metadata["optimizers"]]
@@ -573,9 +599,13 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero and os.path.isdir(filepath):
+        """Rank 0 removes ``filepath``: a sharded directory, a symbolic link to one (the link only:
+        ``ModelCheckpoint(save_last="link")``'s ``last.ckpt``) or a file."""
+        if not self.is_global_zero:
+            return
+        if os.path.islink(filepath) or os.path.isdir(filepath):
             remove_sharded(filepath)
-        elif not os.path.isdir(filepath):
+        else:
             super().remove_checkpoint(filepath)
 
     # ------------------------------------------------------------------ lifecycle

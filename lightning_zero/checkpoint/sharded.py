@@ -15,16 +15,24 @@ aside, renames the new directory to ``path``, deletes the old one and any leftov
 and the ranks agree once more on that. A crash at any moment leaves a loadable checkpoint: before the rename, the
 old ``path``; between moving it aside and the rename, both copies, and loading ``path`` finds the newest complete
 one (:func:`committed_path`) and says so.
+
+[Note: symbolic links to checkpoints]
+``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` a symbolic link to the newest checkpoint directory. A
+link is never followed to write or delete: a save whose path is a link replaces the link (the checkpoint it
+pointed to stays as it was), and removing a link removes the link only. Reading follows it, as any path.
 """
 
 from __future__ import annotations
 
+import copy
 import glob
 import math
 import os
 import shutil
 import uuid
 import warnings
+from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +54,7 @@ from lightning_zero.checkpoint.metadata import (
     read_metadata,
     write_metadata,
 )
+from lightning_zero.checkpoint.state_view import LazyTensor, is_unread
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.named_state import NamedState
 
@@ -140,7 +149,9 @@ def _sync(path: Path) -> None:
 
 def _commit(tmp: Path, path: Path, token: str) -> None:
     old = path.with_name(f"{path.name}.old-{token}")
-    if path.is_dir():
+    if path.is_symlink():  # replaced, not followed: see [Note: symbolic links to checkpoints]
+        path.unlink()
+    elif path.is_dir():
         path.rename(old)
     elif path.exists():
         path.unlink()
@@ -154,8 +165,8 @@ def _remove_leftovers(path: Path) -> None:
     """Directories that interrupted saves to ``path`` left behind (``.tmp-*``, ``.old-*``): ``path`` is newer."""
     for kind in ("tmp", "old"):
         for leftover in path.parent.glob(f"{glob.escape(path.name)}.{kind}-*"):
-            if leftover.is_dir():
-                shutil.rmtree(leftover, ignore_errors=True)
+            if leftover.is_symlink() or leftover.is_dir():
+                remove_sharded(leftover)
 
 
 def committed_path(path: str | Path) -> Path:
@@ -179,7 +190,13 @@ def committed_path(path: str | Path) -> Path:
 
 
 def remove_sharded(path: str | Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Delete a checkpoint directory; a symbolic link is removed, never what it points to (see
+    [Note: symbolic links to checkpoints])."""
+    path = Path(path)
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class ShardedCheckpoint:
@@ -199,6 +216,11 @@ class ShardedCheckpoint:
         self.metadata = read_metadata(self.path)
         self.tensors: dict[str, dict[str, Any]] = self.metadata["tensors"]
         self._files: dict[int, dict[str, Any]] = {}
+        # Set in a view that a load hook renamed (see as_left_by_hook): tensors by the names in the files, the name
+        # in the files of each renamed tensor, and the parameter values the hook gave.
+        self._saved = self.tensors
+        self._saved_names: dict[str, str] = {}
+        self._given: dict[str, Tensor] = {}
         self._verify(comm)
         if check_all_files:  # every rank checks every file, so a corrupt one fails on every rank alike
             for rank in range(self.metadata["world_size"]):
@@ -263,7 +285,9 @@ class ShardedCheckpoint:
 
     def read(self, section: Any, name: str, start: int, end: int) -> Tensor:
         """Elements ``[start, end)`` of flattened tensor ``name`` (``section``: "params" or (optimizer, key))."""
-        spec = self.tensors[name]
+        if section == "params" and name in self._given:
+            return self._given[name].reshape(-1)[start:end]
+        spec = self._saved[self._saved_names.get(name, name)]
         out = torch.empty(end - start, dtype=getattr(torch, spec["dtype"]))
         filled = 0
         for rank, lo, hi in spec["ranges"]:
@@ -284,7 +308,7 @@ class ShardedCheckpoint:
 
     def read_whole(self, section: tuple[int, str], name: str) -> Tensor:
         """Optimizer state saved whole by the rank that owned parameter ``name`` (see [Note: owner layout])."""
-        ranges = self.tensors[name]["ranges"]
+        ranges = self._saved[self._saved_names.get(name, name)]["ranges"]
         if len(ranges) != 1:
             raise CheckpointError(
                 f"{self.where}: optimizer state {section[1]!r} of {name!r} was saved whole, but the parameter has "
@@ -294,11 +318,12 @@ class ShardedCheckpoint:
 
     def _source(self, rank: int, section: Any, name: str) -> Tensor:
         data = self.rank_data(rank)
+        saved = self._saved_names.get(name, name)
         try:
             if section == "params":
-                return data["params"][name]
+                return data["params"][saved]
             index, key = section
-            return data["optimizers"][index]["state"][name][key]
+            return data["optimizers"][index]["state"][saved][key]
         except (KeyError, IndexError) as error:
             raise CheckpointError(
                 f"{self.where}: shard file {rank_file(rank)} lacks {section} of {name!r}. Restore it or use "
@@ -310,11 +335,12 @@ class ShardedCheckpoint:
         scalars: dict[str, dict[str, Any]] = {}
         for groups in self.metadata["optimizers"][index]["param_groups"]:
             for name in groups:
-                ranges = self.tensors[name]["ranges"]
+                saved_name = self._saved_names.get(name, name)
+                ranges = self._saved[saved_name]["ranges"]
                 if not ranges:
                     continue
                 saved = self.rank_data(ranges[0][0])["optimizers"][index]
-                state = saved["state"].get(name)
+                state = saved["state"].get(saved_name)
                 if state:
                     scalars[name] = named.scalar_states({name: state}, saved.get("whole"))[name]
         return scalars
@@ -324,17 +350,126 @@ class ShardedCheckpoint:
         full: dict[str, Tensor] = {}
         for _, name in self.metadata["state_dict_keys"]:
             if name not in full:
-                spec = self.tensors[name]
-                numel = math.prod(spec["shape"])
-                full[name] = (
-                    self.read("params", name, 0, numel).view(spec["shape"])
-                    if numel
-                    else torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
-                )
+                full[name] = self.read_full(name)
         return {key: full[name] for key, name in self.metadata["state_dict_keys"]}
+
+    def read_full(self, name: str) -> Tensor:
+        """Tensor ``name`` in full, in its saved shape and dtype."""
+        spec = self.tensors[name]
+        numel = math.prod(spec["shape"])
+        if not numel:
+            return torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+        return self.read("params", name, 0, numel).view(spec["shape"])
+
+    def lazy_state_dict(self) -> dict[str, Tensor]:
+        """The plain module's ``state_dict`` keys, each with a :class:`LazyTensor` read from the shard files when
+        first used (tied keys share one): what a load hook sees (see [Note: the state_dict of sharded checkpoint
+        hooks])."""
+        lazy = {
+            name: LazyTensor(name, spec["shape"], getattr(torch, spec["dtype"]), partial(self.read_full, name), self)
+            for name, spec in self.tensors.items()
+        }
+        return {key: lazy[name] for key, name in self.metadata["state_dict_keys"]}
+
+    def as_left_by_hook(self, state_dict: Any, keys: list[list[str]]) -> ShardedCheckpoint:
+        """This checkpoint as ``state_dict``, what a load hook left of :meth:`lazy_state_dict`, says to load it into
+        a module whose ``state_dict`` keys are ``keys`` (``[key, tensor name]``): itself where the hook changed
+        nothing, else a view with the tensors renamed and the values given (see [Note: the state_dict of sharded
+        checkpoint hooks])."""
+        if self._left_unchanged(state_dict):
+            return self
+        where = f"{self.where} (its state_dict as on_load_checkpoint left it)"
+        if not isinstance(state_dict, Mapping):
+            raise CheckpointError(f"{where}: checkpoint['state_dict'] is a {type(state_dict).__name__}, not a mapping.")
+        chosen = _chosen_values(state_dict, keys, where)
+        module_keys = {key for key, _ in keys}
+        unexpected = {key: value for key, value in state_dict.items() if key not in module_keys}
+        view = copy.copy(self)
+        view.where = where
+        view._saved_names, view._given = {}, {}
+        tensors = {}
+        for name, value in {**chosen, **unexpected}.items():
+            if not isinstance(value, Tensor):
+                raise CheckpointError(f"{where}: the value of {name!r} is a {type(value).__name__}, not a tensor.")
+            ours = isinstance(value, LazyTensor) and value.origin is self
+            if ours:
+                view._saved_names[name] = value.saved_name  # its optimizer state follows it, read or not
+            elif name in self._saved:
+                view._saved_names[name] = name  # a value given under a saved name: that name's optimizer state
+            if ours and not value.was_read:
+                tensors[name] = self._saved[value.saved_name]
+                continue
+            given = value.value() if isinstance(value, LazyTensor) else value.detach()
+            view._given[name] = given
+            tensors[name] = {"shape": list(given.shape), "dtype": str(given.dtype).removeprefix("torch."), "ranges": []}
+        view.tensors = tensors
+        view.metadata = {
+            **self.metadata,
+            "tensors": tensors,
+            "state_dict_keys": [[key, name] for key, name in keys if name in tensors],
+            "optimizers": [
+                {**saved, "param_groups": view._module_names(saved["param_groups"])}
+                for saved in self.metadata["optimizers"]
+            ],
+        }
+        return view
+
+    def _left_unchanged(self, state_dict: Any) -> bool:
+        keys = self.metadata["state_dict_keys"]
+        return (
+            isinstance(state_dict, Mapping)
+            and len(state_dict) == len(keys)
+            and all(is_unread(state_dict.get(key), self, name) for key, name in keys)
+        )
+
+    def _module_names(self, groups: list[list[str]]) -> list[list[str]]:
+        """Saved param groups' names as the module names them in a renamed view; a saved parameter whose name now
+        means another saved tensor, and that no name means, gets a name that matches no module's."""
+        module_name = {}
+        for name, saved in self._saved_names.items():
+            module_name.setdefault(saved, name)
+        renamed = []
+        for group in groups:
+            names = []
+            for saved in group:
+                if saved in module_name:
+                    names.append(module_name[saved])
+                elif self._saved_names.get(saved, saved) == saved:
+                    names.append(saved)
+                else:
+                    names.append(f"{saved} (saved; not in this model)")
+            renamed.append(names)
+        return renamed
 
     def param_groups(self, index: int) -> list[dict[str, Any]]:
         return self.rank_data(0)["optimizers"][index]["param_groups"]
+
+
+def _chosen_values(state_dict: Mapping[str, Any], keys: list[list[str]], where: str) -> dict[str, Any]:
+    """Per tensor name of the module, the value ``state_dict`` has under its keys (a tied tensor's keys must agree)."""
+    chosen: dict[str, Any] = {}
+    first_key: dict[str, str] = {}
+    for key, name in keys:
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        if name in chosen and not _same(value, chosen[name]):
+            raise CheckpointError(
+                f"{where}: keys {first_key[name]!r} and {key!r} name one tensor of this model (tied), but hold "
+                "different values. Give both keys the same tensor."
+            )
+        chosen.setdefault(name, value)
+        first_key.setdefault(name, key)
+    return chosen
+
+
+def _same(value: Any, other: Any) -> bool:
+    """One object, or tensors of equal shape, dtype and values (reading a LazyTensor's)."""
+    if value is other:
+        return True
+    if not (isinstance(value, Tensor) and isinstance(other, Tensor)):
+        return False
+    return value.shape == other.shape and value.dtype == other.dtype and torch.equal(value, other)
 
 
 def load_sharded_params(state: NamedState, checkpoint: ShardedCheckpoint, strict: bool = True) -> None:
