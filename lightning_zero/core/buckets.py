@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import Enum, auto
 from functools import partial
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -214,6 +215,8 @@ class GradReducer:
             not inside :meth:`no_sync` (gradient accumulation keeps full local gradients instead).
         on_backward_event: called from every gradient hook (the engine queues its end-of-backward call).
         on_bucket_ready: called with a bucket's index once all its gradients of the pass arrived.
+        rider: a further agreement that rides in the end-of-backward all-reduce (of byte maxima): its ``payload()``
+            is sent along, its ``verify(merged)`` gets the result (see [Note: agreeing on hyper-parameters]).
     """
 
     def __init__(
@@ -224,8 +227,10 @@ class GradReducer:
         reduce_every_backward: bool,
         on_backward_event: Callable[[], None],
         on_bucket_ready: Callable[[int], None] | None = None,
+        rider: AgreementRider | None = None,
     ) -> None:
         self.buckets = list(buckets)
+        self.rider = rider
         self.comm = comm
         self.overlap_comm = overlap_comm
         self.reduce_every_backward = reduce_every_backward
@@ -306,13 +311,18 @@ class GradReducer:
         self._next_launch = len(self.buckets)
 
     def finish(self) -> None:
-        """End of backward: agree on which parameters got a gradient and fold every reduction in."""
+        """End of backward: agree on which parameters got a gradient (and what rides along) and fold every reduction
+        in."""
+        ridden = None
         if self.reducing and self.buckets:
-            for bucket, used in zip(self.buckets, self._agree_on_used(), strict=True):
-                bucket.finish(used)
+            used, ridden = self._agree_on_used()
+            for bucket, bucket_used in zip(self.buckets, used, strict=True):
+                bucket.finish(bucket_used)
         for bucket in self.buckets:
             bucket.end_pass()
         self._next_launch = 0
+        if ridden is not None and self.rider is not None:
+            self.rider.verify(ridden)  # after the buckets are clean: it may raise
 
     def reset(self) -> None:
         """After a pass that raised. See [Note: bucket state]."""
@@ -320,15 +330,26 @@ class GradReducer:
             bucket.reset()
         self._next_launch = 0
 
-    def _agree_on_used(self) -> list[list[bool]]:
-        """Which parameters got a gradient on any rank since the last reduction, per bucket."""
-        flags = [used for bucket in self.buckets for used in bucket.locally_used]
+    def _agree_on_used(self) -> tuple[list[list[bool]], list[int]]:
+        """Which parameters got a gradient on any rank since the last reduction, per bucket; and the rider's merged
+        payload."""
+        flags = [int(used) for bucket in self.buckets for used in bucket.locally_used]
+        payload = self.rider.payload() if self.rider is not None else []
         device = self.buckets[0].device
-        merged = torch.tensor(flags, dtype=torch.uint8, device=device)
+        merged = torch.tensor(flags + payload, dtype=torch.uint8, device=device)
         self.comm.all_reduce(merged, op="max")
-        merged_flags = merged.bool().tolist()
+        values = merged.tolist()
+        merged_flags = [bool(v) for v in values[: len(flags)]]
         per_bucket, start = [], 0
         for bucket in self.buckets:
             per_bucket.append(merged_flags[start : start + len(bucket.locally_used)])
             start += len(bucket.locally_used)
-        return per_bucket
+        return per_bucket, values[len(flags) :]
+
+
+class AgreementRider(Protocol):
+    """A check that rides in the end-of-backward agreement (an all-reduce of byte maxima)."""
+
+    def payload(self) -> list[int]: ...
+
+    def verify(self, merged: Sequence[int]) -> None: ...

@@ -54,6 +54,7 @@ from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.elementwise import check_elementwise, check_per_tensor
 from lightning_zero.core.flat_buffer import FlatParamBuffer
 from lightning_zero.core.groups import Topology
+from lightning_zero.core.hyperparams import HyperparameterAgreement
 from lightning_zero.core.loss_weight import LossWeights
 from lightning_zero.core.memory import MemoryReport, tensor_nbytes
 from lightning_zero.core.mixed_precision import DynamicLossScaler, PrecisionPolicy
@@ -137,6 +138,7 @@ class ZeroEngine:
             reduce_every_backward=options.stage >= 2,
             on_backward_event=self._queue_end_of_backward,
             on_bucket_ready=self._on_bucket_ready if options.stage == 3 else None,
+            rider=HyperparameterAgreement(comm, self.optimizers),  # see [Note: agreeing on hyper-parameters]
         )
         self.offload = self._build_offload()
         self.owners = OwnerPlan(comm.world_size) if options.partition == "parameter" else None
@@ -165,9 +167,8 @@ class ZeroEngine:
                 self.scaling,
                 self._take_step_comm,
                 self.loss_weights.agree,
-                label=f"optimizer {index} ({type(optimizer).__name__})",
             )
-            for index, optimizer in enumerate(self.optimizers)
+            for optimizer in self.optimizers
         ]
         self._bind_optimizers()
         install_module_zero_grad(module, self.steps)

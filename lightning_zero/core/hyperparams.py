@@ -1,23 +1,27 @@
-"""Every rank steps with the same hyper-parameters: one small collective per step says so, or names what differs.
+"""Every rank steps with the same hyper-parameters: the agreement at the end of each backward says so, or names what
+differs.
 
 [Note: agreeing on hyper-parameters]
 Each rank updates only what it owns, with its own copy of the optimizer's param groups. A learning-rate scheduler
 stepped on one rank only, or a ``group["lr"]`` set from rank-local data, would make the ranks update their shards
-with different values: a model no single optimizer could have produced, and nothing would fail. So before each
-step the ranks agree on a fingerprint (CRC-32 of the ``repr`` of every group's hyper-parameters: learning rate
-after the schedulers, betas, weight decay, ...): one all-reduce of two integers (the maximum of ``h`` and of
-``-h``). Where they differ, every rank gathers every rank's values and raises the same error, naming the
-optimizer and every key of every group that differs, with each rank's value (a scheduler created or stepped on one
-rank changes ``initial_lr`` and ``lr`` at once; the error names both).
+with different values: a model no single optimizer could have produced, and nothing would fail. So the ranks agree
+on a fingerprint (CRC-32 of the ``repr`` of every optimizer's groups' hyper-parameters: learning rate after the
+schedulers, betas, weight decay, ...) in the agreement every reducing backward already makes (which parameters got
+a gradient, see [Note: bucket order]): its four bytes and their complements ride in that all-reduce of the maximum
+(equal maxima of ``b`` and ``255 - b`` mean every rank has ``b``), 16 bytes more and no collective of its own. That
+is after ``training_step`` and the loop's ``optimizer_step`` (where Lightning's warm-up recipes set ``lr``) and
+before the step; values changed after the last backward (``on_before_optimizer_step``) are compared at the next.
+Where they differ, every rank gathers every rank's values and raises the same error, naming the optimizer and every
+key of every group that differs, with each rank's value (a scheduler created or stepped on one rank changes
+``initial_lr`` and ``lr`` at once; the error names both).
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -47,23 +51,37 @@ def _plain(value: Any) -> Any:
 
 
 class HyperparameterAgreement:
-    """Checks, once per step of ``optimizer``, that every rank has its hyper-parameters. See the note above."""
+    """Rides on the end-of-backward agreement: :meth:`payload` before it, :meth:`verify` after. See the note above.
 
-    def __init__(self, comm: Communicator, device: torch.device, label: str) -> None:
+    Args:
+        comm: the ranks that step together.
+        optimizers: every optimizer the engine steps, in order (their param groups are read at each agreement).
+    """
+
+    PAYLOAD = 8  # bytes riding in the agreement: the fingerprint's four, then their complements
+
+    def __init__(self, comm: Communicator, optimizers: Sequence[Optimizer]) -> None:
         self.comm = comm
-        self.device = device
-        self.label = label  # names the optimizer in the error, e.g. "optimizer 0 (Muon)"
+        self.optimizers = list(optimizers)
 
-    def check(self, optimizer: Optimizer) -> None:
-        """Raise the same ``RuntimeError`` on every rank unless all ranks hold equal hyper-parameters (collective)."""
-        mine = describe(optimizer)
-        fingerprint = zlib.crc32(repr(mine).encode())
-        extremes = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=self.device)
-        self.comm.all_reduce(extremes, op="max")
-        if int(extremes[0]) == -int(extremes[1]):  # max == min: every rank has the same fingerprint
+    def payload(self) -> list[int]:
+        """This rank's fingerprint as values for an all-reduce of the maximum of bytes."""
+        fingerprint = zlib.crc32(repr([describe(optimizer) for optimizer in self.optimizers]).encode())
+        high = list(fingerprint.to_bytes(4, "little"))
+        return high + [255 - byte for byte in high]
+
+    def verify(self, merged: Sequence[int]) -> None:
+        """After the all-reduce: raise the same ``RuntimeError`` on every rank unless all sent equal fingerprints
+        (collective then, on every rank: each sees the same maxima)."""
+        if list(merged[:4]) == [255 - byte for byte in merged[4:]]:  # max == min for every byte
             return
-        everyone = self.comm.all_gather_object(mine)
-        raise RuntimeError(describe_difference(self.label, everyone))
+        everyone = self.comm.all_gather_object([describe(optimizer) for optimizer in self.optimizers])
+        messages = [
+            describe_difference(f"optimizer {index} ({type(optimizer).__name__})", [ours[index] for ours in everyone])
+            for index, optimizer in enumerate(self.optimizers)
+            if any(ours[index] != everyone[0][index] for ours in everyone)
+        ]
+        raise RuntimeError(" ".join(messages) or describe_difference("the optimizers", [[] for _ in everyone]))
 
 
 _FIX = (

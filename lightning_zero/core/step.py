@@ -28,7 +28,6 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core.buckets import GradBucket
 from lightning_zero.core.comm import Communicator, wait_all
-from lightning_zero.core.hyperparams import HyperparameterAgreement
 from lightning_zero.core.loss_weight import LossWeights
 from lightning_zero.core.mixed_precision import DynamicLossScaler
 from lightning_zero.core.offload.disk import run_paged
@@ -88,7 +87,6 @@ class OptimizerStep:
         scaling: the loss scale shared by every optimizer of the engine.
         on_step_end: called after every step (the engine takes the step's communication counts).
         on_prepare: called before the step gradients are made (the engine agrees on the loss weight there).
-        label: names the optimizer in errors.
     """
 
     def __init__(
@@ -100,10 +98,8 @@ class OptimizerStep:
         scaling: LossScaling,
         on_step_end: Callable[[], None],
         on_prepare: Callable[[], None] = lambda: None,
-        label: str = "the optimizer",
     ) -> None:
         self.optimizer = optimizer
-        self.hyperparameters = HyperparameterAgreement(comm, device, label)
         self.on_prepare = on_prepare
         self._weight_skipped = False
         self.comm = comm
@@ -158,7 +154,6 @@ class OptimizerStep:
         if self.state is StepState.PREPARED:
             return self._finite
         self.on_prepare()
-        self.hyperparameters.check(self.optimizer)  # see [Note: agreeing on hyper-parameters]
         scale = self.scaling.scale_for_step(loss_scale)
         for store in self._stores:
             if store.buffer.may_change_at_rest:  # parameters written in place since the last step
