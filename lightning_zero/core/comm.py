@@ -25,6 +25,7 @@ collectives move, without padding; they are counted as the all-gather or reduce-
 
 from __future__ import annotations
 
+import functools
 import itertools
 import pickle
 from collections.abc import Callable, Sequence
@@ -223,7 +224,7 @@ class Communicator:
         broadcast from, or reduce to, each rank with a non-empty part. See [Note: uneven collectives]."""
         if len(sizes) != self.world_size or sum(sizes) != full.numel():
             raise ValueError(f"uneven sizes {list(sizes)} do not split {full.numel()} elements over {self.world_size}")
-        offsets = [sum(sizes[:rank]) for rank in range(self.world_size)]
+        offsets = _offsets(tuple(sizes))
         mine = full[offsets[self.rank] : offsets[self.rank] + sizes[self.rank]]
         if op == "broadcast" and part.data_ptr() != mine.data_ptr():
             mine.copy_(part)
@@ -303,6 +304,12 @@ def _timeout_of(group: dist.ProcessGroup | None) -> timedelta | None:
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+@functools.cache
+def _offsets(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Where each rank's part of an uneven collective begins (once per layout: a gather asks every time)."""
+    return (0, *itertools.accumulate(sizes))[:-1]
 
 
 def _copied_back(output: Tensor, staged: Tensor, async_op: bool) -> Any:

@@ -17,6 +17,7 @@ Gathers and reductions of such a buffer are uneven (``Communicator.all_gather(..
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -117,6 +118,7 @@ class OwnerLayout:
     world_size: int
     numel: int
     starts: tuple[int, ...]  # world_size + 1 boundaries: rank r's shard is [starts[r], starts[r + 1])
+    uneven_sizes: tuple[int, ...] | None  # every rank's shard size; None where equal (the even collectives apply)
 
     whole_tensors = True
 
@@ -135,7 +137,8 @@ class OwnerLayout:
                     offset += math.prod(shape)
             starts.append(offset)
         slots = tuple(Slot(o, math.prod(shape), tuple(shape)) for o, shape in zip(offsets, shapes, strict=True))
-        return cls(slots, tuple(owners), world_size, offset, tuple(starts))
+        sizes = tuple(hi - lo for lo, hi in itertools.pairwise(starts))  # made once: every gather asks for it
+        return cls(slots, tuple(owners), world_size, offset, tuple(starts), None if len(set(sizes)) == 1 else sizes)
 
     @property
     def padded_numel(self) -> int:
@@ -148,12 +151,6 @@ class OwnerLayout:
     def shard_size(self, rank: int) -> int:
         lo, hi = self.shard_bounds(rank)
         return hi - lo
-
-    @property
-    def uneven_sizes(self) -> tuple[int, ...] | None:
-        """Every rank's shard size, or ``None`` where they happen to be equal (the even collectives apply)."""
-        sizes = tuple(self.shard_size(rank) for rank in range(self.world_size))
-        return None if len(set(sizes)) == 1 else sizes
 
     def shard_bounds(self, rank: int) -> tuple[int, int]:
         if not 0 <= rank < self.world_size:
