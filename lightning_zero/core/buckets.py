@@ -201,7 +201,13 @@ class GradBucket(ABC):
         """Bytes of gradient storage this bucket holds now."""
 
 
-_IN_FLIGHT = 2  # bucket reductions allowed in flight while backward runs
+# Bucket reductions allowed in flight while backward runs. A launched bucket keeps its full-size staging buffer
+# until it is waited for, so each one allowed in flight costs a unit's gradient in the reduce dtype on top of
+# backward's activations. One suffices to overlap: bucket i's
+# reduction runs during the backward of the unit after it, and is waited for only when that unit's bucket
+# launches. (torch's gloo reduce-scatter never reports is_completed(), so completed reductions cannot be reaped
+# earlier by polling.)
+_IN_FLIGHT = 1
 
 
 class GradReducer:
