@@ -24,7 +24,7 @@ import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 BATCH_SIZE = 4
 
@@ -337,3 +337,21 @@ class RecordingTwoLayer(TwoLayer):
             "state": state_of(self),
         }
         torch.save(payload, f"{self.out_dir}/rank{self.global_rank}.pt")
+
+
+class TokenSequences(Dataset):
+    """``size`` token sequences of ``length`` next-token labels, of which sample i has 1 to ``length`` real ones (the
+    rest labelled -100): every micro-batch's token count differs (for weighted losses)."""
+
+    def __init__(self, size: int, vocab: int, length: int) -> None:
+        generator = torch.Generator().manual_seed(7)
+        self.tokens = torch.randint(0, vocab, (size, length + 1), generator=generator)
+        self.lengths = torch.randint(1, length + 1, (size,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        labels = self.tokens[index, 1:].clone()
+        labels[self.lengths[index] :] = -100
+        return self.tokens[index, :-1], labels

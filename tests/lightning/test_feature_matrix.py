@@ -36,9 +36,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.lightning.models import max_rel_diff, result_of
+from tests.lightning.models import TokenSequences, max_rel_diff, result_of
 from tests.lightning.training_models import TIMEOUT, final_state, run_isolated
 from tests.pairwise import all_pairs, legal_pairs, pairs_of
 
@@ -78,23 +78,6 @@ def legal(case: dict[str, Any]) -> bool:
 CASES = all_pairs(FACTORS, legal)
 
 
-class Sequences(Dataset):
-    """Token sequences of 1 to LENGTH real labels (the rest -100), so every micro-batch's token count differs."""
-
-    def __init__(self, size: int) -> None:
-        generator = torch.Generator().manual_seed(7)
-        self.tokens = torch.randint(0, VOCAB, (size, LENGTH + 1), generator=generator)
-        self.lengths = torch.randint(1, LENGTH + 1, (size,), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        labels = self.tokens[index, 1:].clone()
-        labels[self.lengths[index] :] = -100
-        return self.tokens[index, :-1], labels
-
-
 def _samples(accumulate: int) -> int:
     return WORLD_SIZE * BATCH * accumulate * STEPS_PER_EPOCH
 
@@ -102,7 +85,7 @@ def _samples(accumulate: int) -> int:
 def step_weights(accumulate: int) -> list[float]:
     """The global token count of each optimizer step, as Lightning's DistributedSampler (no shuffling) deals the
     samples: rank r gets samples r, r + N, ..., in batches of BATCH, ``accumulate`` batches a step."""
-    data = Sequences(_samples(accumulate))
+    data = TokenSequences(_samples(accumulate), VOCAB, LENGTH)
     per_step = BATCH * accumulate * WORLD_SIZE
     return [float(data.lengths[s * per_step : (s + 1) * per_step].sum()) for s in range(STEPS_PER_EPOCH)]
 
@@ -220,7 +203,9 @@ def _fit_once(case: dict[str, Any], root: Path, epochs: int, ckpt_path: str | No
         use_distributed_sampler=False,
         **_precision(case["precision"]),
     )
-    data = Sequences(_samples(accumulate))  # not shuffled, so that step_weights knows each step's tokens
+    data = TokenSequences(
+        _samples(accumulate), VOCAB, LENGTH
+    )  # not shuffled, so that step_weights knows each step's tokens
     sampler = DistributedSampler(data, num_replicas=WORLD_SIZE, rank=dist.get_rank(), shuffle=False)
     trainer.fit(model, DataLoader(data, batch_size=BATCH, sampler=sampler), ckpt_path=ckpt_path)
     return trainer, model

@@ -16,31 +16,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from tests.helpers import run_on_ranks
-from tests.lightning.models import make_trainer
+from tests.lightning.models import TokenSequences, make_trainer
 
 VOCAB, LENGTH, BATCH, ACCUMULATE, STEPS, CLIP = 11, 12, 3, 2, 4, 1.0
 RTOL = 1e-5
-
-
-class Sequences(Dataset):
-    """``size`` token sequences; sample i has ``lengths[i]`` real next-token labels."""
-
-    def __init__(self, size: int) -> None:
-        generator = torch.Generator().manual_seed(7)
-        self.tokens = torch.randint(0, VOCAB, (size, LENGTH + 1), generator=generator)
-        self.lengths = torch.randint(1, LENGTH + 1, (size,), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        tokens = self.tokens[index]
-        labels = tokens[1:].clone()
-        labels[self.lengths[index] :] = -100
-        return tokens[:-1], labels
 
 
 def _sums(model: nn.Module, tokens: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -108,7 +90,7 @@ def _fit(world_size: int, stage: int, variant: str = "weighted", **strategy: Any
         gradient_clip_val=None if manual else CLIP,
     )
     samples = BATCH * accumulate * world_size * STEPS
-    data = DataLoader(Sequences(samples), batch_size=BATCH)
+    data = DataLoader(TokenSequences(samples, VOCAB, LENGTH), batch_size=BATCH)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, data)
