@@ -87,7 +87,8 @@ class Communicator:
         # gloo implements the single-tensor reduce-scatter as a copy plus a full all-reduce (measured 1.8x
         # slower on a 25 MiB bucket, docs/benchmarks.md); its list form is a real reduce-scatter.
         self._list_reduce_scatter = backend == "gloo"
-        self._object_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+        # NCCL takes tensors on this device only (objects and host tensors are staged through it).
+        self._nccl_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         # Where a rank that raised says so; gloo waits read it (see [Note: a rank that raises and stays alive]).
         self.notices = notices if notices is not None or backend != "gloo" else _notices(group)
         self._companion: Communicator | None = None
@@ -106,7 +107,7 @@ class Communicator:
 
     def _on_host(self, *tensors: Tensor) -> bool:
         """A tensor of the collective rests on the host while the backend (NCCL) takes device tensors only."""
-        return self._object_device is not None and any(t.device.type == "cpu" for t in tensors)
+        return self._nccl_device is not None and any(t.device.type == "cpu" for t in tensors)
 
     def post_failure(self, error: BaseException) -> None:
         """This rank raised ``error`` and lives on: the others' waits end with it named (see [Note: a rank that
@@ -121,8 +122,8 @@ class Communicator:
         elements, after those of the lower ranks, with uneven ``sizes``: see [Note: uneven collectives]). ``input``
         is spent (its other parts may be overwritten)."""
         if self._on_host(output, input):  # see [Note: host tensors on NCCL]
-            staged = torch.empty_like(output, device=self._object_device)
-            self.reduce_scatter(staged, input.to(self._object_device), sizes=sizes)
+            staged = torch.empty_like(output, device=self._nccl_device)
+            self.reduce_scatter(staged, input.to(self._nccl_device), sizes=sizes)
             return _copied_back(output, staged, async_op)
         self.stats.add("reduce_scatter", input.numel() * input.element_size())
         what = self._what("reduce-scatter", input)
@@ -141,8 +142,8 @@ class Communicator:
         """Concatenate every rank's ``input`` into ``output`` (``input`` may be this rank's part of it); with
         ``sizes``, rank ``r``'s input has ``sizes[r]`` elements (see [Note: uneven collectives])."""
         if self._on_host(output, input):  # see [Note: host tensors on NCCL]
-            staged = torch.empty_like(output, device=self._object_device)
-            self.all_gather(staged, input.to(self._object_device), sizes=sizes)
+            staged = torch.empty_like(output, device=self._nccl_device)
+            self.all_gather(staged, input.to(self._nccl_device), sizes=sizes)
             return _copied_back(output, staged, async_op)
         self.stats.add("all_gather", output.numel() * output.element_size())
         what = self._what("all-gather", output)
@@ -154,7 +155,7 @@ class Communicator:
     def all_reduce(self, tensor: Tensor, op: str = "sum", counted: bool = True) -> None:
         """Reduce ``tensor`` over the ranks in place (``counted=False``: not the engine's, e.g. a logged metric)."""
         if self._on_host(tensor):  # see [Note: host tensors on NCCL]
-            staged = tensor.to(self._object_device)
+            staged = tensor.to(self._nccl_device)
             self.all_reduce(staged, op, counted)
             tensor.copy_(staged)
             return
@@ -166,7 +167,7 @@ class Communicator:
     def broadcast(self, tensor: Tensor, src: int = 0) -> None:
         """Overwrite ``tensor`` with rank ``src``'s (``src`` is a rank of this group)."""
         if self._on_host(tensor):  # see [Note: host tensors on NCCL]
-            staged = tensor.to(self._object_device)
+            staged = tensor.to(self._nccl_device)
             self.broadcast(staged, src)
             tensor.copy_(staged)
             return
@@ -193,7 +194,7 @@ class Communicator:
         """Every rank's picklable ``obj`` (uncounted: agreements and error messages), through tensors, so that its
         waits are those of any collective (see [Note: a rank that raises and stays alive])."""
         what = "an all-gather of Python objects (an agreement between ranks)"
-        device = self._object_device or torch.device("cpu")
+        device = self._nccl_device or torch.device("cpu")
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         sizes = torch.empty(self.world_size, dtype=torch.int64, device=device)
         mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
@@ -209,7 +210,7 @@ class Communicator:
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s picklable ``obj`` on every rank (uncounted, as :meth:`all_gather_object`)."""
         what = "a broadcast of a Python object"
-        device = self._object_device or torch.device("cpu")
+        device = self._nccl_device or torch.device("cpu")
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
         self._broadcast(what, size, src)
