@@ -96,11 +96,11 @@ def _fit(world_size: int, case: dict[str, Any]) -> dict[str, Any]:
 
 CASES = {
     "stage_disagreement": {"stages": (2, 3), "fail_in": None},
-    # Rank 1 raises, then stays alive for LINGER s (a notebook) before its group is destroyed (which would close
+    # Rank 1 raises, then stays alive for 8 s (a notebook) before its group is destroyed (which would close
     # the connections and end the others' waits anyway) in the first three.
-    "setup_stage3": {"stages": (3, 3), "fail_in": "configure_optimizers", "linger": 12},
-    "training_step_stage3": {"stages": (3, 3), "fail_in": "training_step", "linger": 12},
-    "state_dict_stage3": {"stages": (3, 3), "fail_in": "state_dict", "linger": 12},
+    "setup_stage3": {"stages": (3, 3), "fail_in": "configure_optimizers", "linger": 8},
+    "training_step_stage3": {"stages": (3, 3), "fail_in": "training_step", "linger": 8},
+    "state_dict_stage3": {"stages": (3, 3), "fail_in": "state_dict", "linger": 8},
     "training_step_stage2": {"stages": (2, 2), "fail_in": "training_step"},
 }
 
