@@ -52,7 +52,7 @@ from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.memory import MemoryReport
 from lightning_zero.core.named_state import PARAM_NAMES_KEY, restore_added_param_groups
 from lightning_zero.core.rest import RestingParameter, engine_access
-from lightning_zero.launcher import ZeroMultiProcessingLauncher
+from lightning_zero.launcher import ZeroMultiProcessingLauncher, destroy_groups_at_exit, note_exception
 from lightning_zero.precision import ZeroPrecision, unwrap_optimizer
 
 log = logging.getLogger(__name__)
@@ -208,6 +208,7 @@ class ZeroStrategy(ParallelStrategy):
             self.cluster_environment, self.process_group_backend, timeout=self.config.timeout, device_id=device_id
         )
         self._comm = Communicator()
+        destroy_groups_at_exit()  # see [Note: destroying the groups when a rank ends] in launcher.py
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -470,7 +471,9 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """This rank raised: the other ranks stop waiting for it within a fraction of a second, with an error naming
-        it and its exception (see [Note: a rank that raises and stays alive])."""
+        it and its exception (see [Note: a rank that raises and stays alive]). Its groups stay at exit (see [Note:
+        destroying the groups when a rank ends])."""
+        note_exception()
         if self._comm is not None:
             self._comm.post_failure(exception)
 

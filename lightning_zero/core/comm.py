@@ -21,6 +21,18 @@ from each rank with a non-empty part, into its place in the full buffer; an unev
 reduce to each such rank, of its part of the full buffer, in place (gloo may use the other ranks' copies as
 scratch, so the input is spent) and then copied into the output. Each rank sends and receives what the even
 collectives move, without padding; they are counted as the all-gather or reduce-scatter they replace.
+
+[Note: groups alive at exit]
+A gloo group runs each collective on a thread of its own, which drops its reference to the finished work a moment
+after the work completes. When that reference is the last one, the work's tensors are freed on that thread; one that
+Python let go of while the work ran (a gathered unit's full buffer, resharded) needs the interpreter's lock to be
+freed. At interpreter exit that lock is gone: the thread is ended inside a destructor and the process aborts
+("terminate called without an active exception", seen in about 1 run in 10 with a stage-3 ``gathered_params()``
+right before the script ended). Only destroying a group ends its threads, and only when the last Python reference
+to it goes: ``torch.distributed.destroy_process_group()`` forgets torch's references, and a :class:`Communicator`
+over a group of its own (stage 3's companion) holds one more. :func:`destroy_groups` lets go of both, so the threads
+end while the interpreter is whole. It is for a run that ended well: a rank past its last collective destroys at
+once; with a collective still in flight it would wait for the other ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ from __future__ import annotations
 import functools
 import itertools
 import pickle
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -45,6 +58,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 Work = dist.Work
 _ROOTS = itertools.count()  # communicators made without a parent's notices, in this process (see notices_prefix)
+_OWN_GROUPS: weakref.WeakSet[Communicator] = weakref.WeakSet()  # communicators over a group of their own
 
 
 @dataclass
@@ -92,6 +106,9 @@ class Communicator:
         # Where a rank that raised says so; gloo waits read it (see [Note: a rank that raises and stays alive]).
         self.notices = notices if notices is not None or backend != "gloo" else _notices(group)
         self._companion: Communicator | None = None
+        self._released = False
+        if group is not None:
+            _OWN_GROUPS.add(self)
 
     def companion(self) -> Communicator:
         """A communicator over the same ranks in a group of its own, created once (collective the first time).
@@ -248,6 +265,11 @@ class Communicator:
 
     def _guarded(self, what: str, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``collective(*args, **kwargs)``, a lost or hung rank named as such (see [Note: lost and hung ranks])."""
+        if self._released:
+            raise RuntimeError(
+                f"rank {self.global_rank} cannot run {what}: the process groups were destroyed when the run ended "
+                "(see [Note: groups alive at exit]). Collectives after that need a new process group and strategy."
+            )
         return guarded(what, self.global_rank, lambda: collective(*args, **kwargs), self.notices)
 
     def _what(self, op: str, tensor: Tensor) -> str:
@@ -335,6 +357,17 @@ def _notices(group: dist.ProcessGroup | None) -> FailureNotices | None:
         return None
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     return FailureNotices(store, notices_prefix(next(_ROOTS), ranks), dist.get_world_size())
+
+
+def destroy_groups() -> None:
+    """Destroy every process group of this process, their gloo threads ended now (see [Note: groups alive at
+    exit]); communicators over a group of their own refuse collectives from then on. Only after a run that ended
+    well, on every rank."""
+    for comm in list(_OWN_GROUPS):
+        comm.group, comm._companion, comm._released = None, None, True
+    _OWN_GROUPS.clear()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def wait_all(works: Sequence[Work | None]) -> None:
