@@ -8,7 +8,7 @@ Run on demand, from the repository root::
     python benchmarks/clean_exits.py --runs 30 --start-method popen      # Lightning's script launcher
     python benchmarks/clean_exits.py --runs 30 --start-method popen --after-fit gather
     python benchmarks/clean_exits.py --runs 30 --start-method popen --after-fit gather --strategy ddp
-    python benchmarks/clean_exits.py --runs 10 --torchrun                # ranks started by torchrun
+    python benchmarks/clean_exits.py --runs 10 --torchrun --after-fit gather  # ranks started by torchrun
 
 Each run is a fresh interpreter (a script in a temporary directory) that fits a small two-layer model for 3
 steps on 2 CPU ranks (``ZeroStrategy(stage=..., start_method=...)``, default stage 3 and ``"spawn"``). Every
@@ -67,7 +67,7 @@ if __name__ == "__main__":
     trainer.fit(model, DataLoader(data, batch_size=4))
     {after_fit}
     for proc in getattr(trainer.strategy.launcher, "procs", []):  # popen: the statuses rank 0 reaped itself
-        if proc.returncode is not None:
+        if getattr(proc, "returncode", None) is not None:  # (spawn/fork: processes torch's launcher waited for)
             print(f"CHILD_STATUS {proc.returncode}", file=sys.stderr)
 """
 
@@ -118,10 +118,12 @@ def main() -> None:
     parser.add_argument("--strategy", default="zero", help="'zero' (ZeroStrategy) or a Lightning strategy name")
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--start-method", default="spawn", choices=["spawn", "fork", "popen"])
-    parser.add_argument("--torchrun", action="store_true", help="start both ranks with torch.distributed.run")
+    parser.add_argument("--torchrun", action="store_true", help="ranks started by torch.distributed.run (popen)")
     parser.add_argument("--after-fit", choices=["none", "gather"], default="none", help="collectives after fit")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.torchrun:  # the ranks exist already: Lightning's script launcher only joins them
+        args.start_method = "popen"
     strategy = (
         f"ZeroStrategy(stage={args.stage}, start_method={args.start_method!r})"
         if args.strategy == "zero"

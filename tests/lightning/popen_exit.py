@@ -1,6 +1,6 @@
-"""A 2-rank ZeRO-3 fit started by Lightning's popen launcher that reads the full weights right after ``fit``, as a
-script that saves them does: collectives up to the moment the interpreter ends (see [Note: groups alive at exit] in
-lightning_zero/core/comm.py).
+"""Two ZeRO-3 fits on one Trainer, 2 ranks started by Lightning's popen launcher, that read the full weights right after
+the last ``fit``, as a script that saves them does: collectives up to the moment the interpreter ends (see [Note:
+groups alive at exit] in lightning_zero/core/comm.py); the groups live on between the fits.
 
 ``python tests/lightning/popen_exit.py``: this process is rank 0 and Lightning starts the script again as rank 1.
 At the end rank 0 waits for rank 1 and prints ``rank 1 exit status N``. Run by tests/lightning/test_launcher.py.
@@ -45,6 +45,9 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(data, batch_size=4))
+    trainer.fit_loop.epoch_loop.max_steps = 6  # a Trainer counts steps across fits
+    trainer.fit(model, DataLoader(data, batch_size=4))
+    assert trainer.global_step == 6
     with trainer.strategy.gathered_params():
         state = {name: value.detach().clone() for name, value in model.state_dict().items()}
     assert all(value.numel() > 0 for value in state.values())
