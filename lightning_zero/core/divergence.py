@@ -57,7 +57,6 @@ class GatherSequence:
     def __init__(self, comm: Communicator, names: Sequence[str], device: torch.device) -> None:
         self.comm = comm
         self.names = list(names)
-        self.device = device
         self.iteration = 0
         self.count = 0
         self._host = torch.zeros(3, dtype=torch.int64)  # made once: see the note

@@ -257,7 +257,9 @@ class Stage3Scheduler:
     def open_plan(self) -> None:
         """A backward is about to run (on every rank): the units recorded since the last plan, in reverse order."""
         self._plan_open = True
-        self.sequence.check_plan([self._index[unit] for unit in self._recorded])  # see [Note: divergent control flow]
+        self.sequence.check_plan(
+            [self._index[unit] for unit in self._recorded]
+        )  # see [Note: divergent control flow at stage 3]
         self._plan.extend(reversed(self._recorded))
         self._remaining.update(self._recorded)
         self._recorded = []
