@@ -62,7 +62,7 @@ the ZeRO-paper formula (fp32 Adam: DDP 16Ψ, stage 1 4Ψ+4Ψ+8Ψ/N, stage 2 4Ψ+
 16Ψ/N; bf16-mixed, section 3.1: DDP 16Ψ, stage 1 4Ψ+12Ψ/N, stage 2 2Ψ+14Ψ/N, stage 3 16Ψ/N, FSDP2's
 fp32 shards 16Ψ/N; Ψ trainable parameters, N ranks) and measured/formula, bytes moved by collectives
 per step (ZeRO: ``engine.last_step_comm.nbytes``; DDP, ``ddp_bf16`` too: 2 x 4Ψ, the all-reduce of the
-fp32 gradients counted as in [Note: counting communication] of ``lightning_zero/core/comm.py``; FSDP2,
+fp32 gradients counted as in [Note: counting communication] of ``lightning_zero/core/comm/communicator.py``; FSDP2,
 not measured: 3 x 4Ψ, bf16 2Ψ + 2Ψ + 4Ψ), RSS per rank (peak, and after the last step) and, after the
 run, the largest per-tensor relative parameter difference and the relative L2 difference of all
 parameters from the same-precision DDP. See docs/benchmarks.md for results.
@@ -245,7 +245,7 @@ FUSED_ENV = "BENCH_ADAMW_FUSED"
 def disk_bandwidth(path: str, nbytes: int = 256 * 2**20, chunk: int = 8 * 2**20) -> dict[str, float]:
     """Write then read ``nbytes`` through the offload's own swap file (O_DIRECT where the file system takes it)
     in ``chunk``-sized transfers: the bandwidth an *_nvme system can expect, in bytes/s."""
-    from lightning_zero.core.offload.disk import SwapFile, aligned_empty
+    from lightning_zero.core.store.swap import SwapFile, aligned_empty
 
     swap = SwapFile(path, rank=0)
     regions = [swap.allocate(chunk) for _ in range(nbytes // chunk)]
@@ -1093,7 +1093,8 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], combined_rss: li
         f"Peak RSS of the timing run (all systems live in each process): "
         f"{' / '.join(mib(b) for b in combined_rss)} MiB per rank.",
         "Comm: ZeRO = engine.last_step_comm.nbytes; DDP = 2 x 4Ψ (its fp32 gradient all-reduce, counted as in "
-        "[Note: counting communication] of lightning_zero/core/comm.py; ddp_bf16 too); FSDP2 not measured: "
+        "[Note: counting communication] of lightning_zero/core/comm/communicator.py; ddp_bf16 too); FSDP2 not "
+        "measured: "
         "3 x 4Ψ (fsdp2_bf16: 2Ψ + 2Ψ + 4Ψ, the bf16 all-gathers and the fp32 reduce-scatter).",
     ]
     return "\n".join(lines)

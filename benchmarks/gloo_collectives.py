@@ -1,6 +1,6 @@
 """Micro-benchmark: the gloo collectives behind ZeRO and DDP, single-tensor vs list forms.
 
-``lightning_zero/core/comm.py`` calls the single-tensor collectives (``reduce_scatter_single`` /
+``lightning_zero/core/comm/communicator.py`` calls the single-tensor collectives (``reduce_scatter_single`` /
 ``all_gather_single``, formerly ``reduce_scatter_tensor`` / ``all_gather_into_tensor``). On gloo,
 torch implements the single-tensor reduce-scatter as a ``clone()`` of the whole input on the calling
 thread, an all-reduce of the clone, and a copy of this rank's chunk in ``wait()``

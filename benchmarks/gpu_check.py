@@ -781,9 +781,10 @@ def clipped_step(system: System, batch: tuple[Tensor, Tensor], device: torch.dev
 
 def host_buffers(system: System) -> dict[str, Any]:
     """Whether the host buffers of an offloaded engine are pinned, their bytes, and the RSS growth at setup."""
-    from lightning_zero.core.flat_buffer import ShardedBuffer
-    from lightning_zero.core.offload import host
-    from lightning_zero.core.offload.disk import aligned_empty
+    from lightning_zero.core.layout.flat_buffer import ShardedBuffer
+    from lightning_zero.core.layout import host_memory
+    from lightning_zero.core.store import host
+    from lightning_zero.core.store.swap import aligned_empty
 
     engine = system.engine
     masters = [s.master for s in engine.stores.values() if isinstance(s, host.HostStore)]
@@ -793,7 +794,7 @@ def host_buffers(system: System) -> dict[str, Any]:
         "cuda": engine.device.type == "cuda",
         "masters": len(masters),
         "masters_pinned": sum(t.is_pinned() for t in masters),
-        "masters_registered": sum(t.data_ptr() in host._REGISTERED for t in masters),
+        "masters_registered": sum(t.data_ptr() in host_memory._REGISTERED for t in masters),
         "master_bytes": sum(t.numel() * t.element_size() for t in masters),
         "param_shards": len(shards),
         "param_shards_pinned": sum(t.is_pinned() for t in shards),

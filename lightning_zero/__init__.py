@@ -9,8 +9,8 @@ from lightning_zero.loading import load_from_checkpoint
 from lightning_zero.monitor import ZeroMonitor
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.version import __version__
 
-__version__ = "0.1.0"
 __all__ = [
     "MemoryEstimate",
     "MemoryReport",

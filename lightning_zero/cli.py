@@ -25,13 +25,12 @@ import torch
 from torch import nn
 
 from lightning_zero.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS, STAGES, MemoryEstimate, estimate_memory
+from lightning_zero.version import __version__
 
 _COLUMNS = ("stage", "params", "gradients", "optimizer states", "offloaded", "total")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lightning_zero import __version__
-
     parser = argparse.ArgumentParser(prog="lightning-zero", description="ZeRO for PyTorch Lightning.")
     parser.add_argument("--version", action="version", version=f"lightning-zero {__version__}")
     commands = parser.add_subparsers(dest="command", title="commands")

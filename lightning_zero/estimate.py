@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from lightning_zero.config import OFFLOAD_TARGETS, Offload
-from lightning_zero.core.layout import assign_owners
+from lightning_zero.core.layout.pieces import assign_owners
 from lightning_zero.core.memory import MemoryReport
 
 STAGES = (0, 1, 2, 3)

@@ -3,9 +3,9 @@ of a rank's process groups whatever started it.
 
 [Note: destroying the groups when a rank ends]
 A rank that ends with its gloo groups alive may abort in interpreter teardown (see [Note: groups alive at exit] in
-core/comm.py), so after a run that ended well they are destroyed while the interpreter is whole: by the spawn/fork
-worker when ``fit`` returned, and, for ranks that run the script themselves (Lightning's ``"popen"`` launcher,
-torchrun, a cluster's launcher), by an exit hook the strategy registers when it sets up the process group. The
+core/comm/communicator.py), so after a run that ended well they are destroyed while the interpreter is whole: by the
+spawn/fork worker when ``fit`` returned, and, for ranks that run the script themselves (Lightning's ``"popen"``
+launcher, torchrun, a cluster's launcher), by an exit hook the strategy registers when it sets up the process group. The
 groups stay until exit: a second ``fit``, ``trainer.test`` or the user's own collectives may follow. Once this
 process saw an exception (the strategy's ``on_exception``, the worker's, or one that ends the script) the hook
 leaves them: destroying a group with a collective in flight waits for the other ranks, which may never come.

@@ -1,5 +1,5 @@
-"""Lightning's side of a loss weighted by tokens (see [Note: weighted loss] in core/loss_weight.py): where the weight
-of each backward comes from (the dict ``training_step`` returns, or ``manual_backward(..., loss_weight=n)``), and
+"""Lightning's side of a loss weighted by tokens (see [Note: weighted loss] in core/step/loss_weight.py): where the
+weight of each backward comes from (the dict ``training_step`` returns, or ``manual_backward(..., loss_weight=n)``), and
 the errors for a module and an option that do not fit together."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 from torch import Tensor
 
 from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.loss_weight import check_loss_weight
+from lightning_zero.core.step.loss_weight import check_loss_weight
 
 WEIGHT_KEY = "loss_weight"
 _RETURN = '{"loss": loss_sum, "loss_weight": n_tokens}'

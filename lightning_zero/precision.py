@@ -2,8 +2,8 @@
 
 The dtypes themselves are held by the engine (see [Note: mixed-precision model states] in
 ``core/mixed_precision.py``) and so is every piece of step state (see [Note: the step window] in
-``core/step.py``): this plugin picks the dtypes from the Trainer's ``precision``, enters autocast for the mixed
-modes, has the engine scale the fp16 loss, tells it when a backward is over, routes clipping to it and runs
+``core/step/optimizer_step.py``): this plugin picks the dtypes from the Trainer's ``precision``, enters autocast for
+the mixed modes, has the engine scale the fp16 loss, tells it when a backward is over, routes clipping to it and runs
 ``optimizer.step()`` after the closure, as Lightning's AMP plugin does.
 """
 
@@ -170,7 +170,7 @@ class ZeroPrecision(Precision):
     ) -> Any:
         # Run forward and backward first, like Lightning's AMP plugin, so that clipping sees the reduced (and
         # unscaled) gradients; optimizer.step() then runs inside the engine's step window (see [Note: the step
-        # window] in core/step.py).
+        # window] in core/step/optimizer_step.py).
         closure_result = closure()
         engine, inner = self._engine, unwrap_optimizer(optimizer)
         if engine is None or not engine.manages(inner):

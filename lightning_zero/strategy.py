@@ -46,14 +46,15 @@ from lightning_zero.checkpoint import (
 from lightning_zero.checkpoint.state import tensor_specs
 from lightning_zero.checkpoint.state_view import saving_changes, saving_state_dict, values_of
 from lightning_zero.config import START_METHODS, Offload, ZeroConfig
-from lightning_zero.core.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.layout.resting import RestingParameter, engine_access
 from lightning_zero.core.memory import MemoryReport
 from lightning_zero.core.named_state import PARAM_NAMES_KEY, restore_added_param_groups
-from lightning_zero.core.rest import RestingParameter, engine_access
+from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.launcher import ZeroMultiProcessingLauncher, destroy_groups_at_exit, note_exception
 from lightning_zero.precision import ZeroPrecision, unwrap_optimizer
+from lightning_zero.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +287,7 @@ class ZeroStrategy(ParallelStrategy):
             self._engine.weight_losses(True, loss_factor=factor)
         if fitting:
             # Lightning's optimizer wrappers copy their optimizer's class: make them again now that the engine has
-            # given each optimizer a zero_grad that empties the gradient shards (see core/step.py).
+            # given each optimizer a zero_grad that empties the gradient shards (see core/step/optimizer_step.py).
             self.optimizers = self.optimizers
 
     @override
@@ -553,8 +554,6 @@ class ZeroStrategy(ParallelStrategy):
         if not self._sharded_checkpoints:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
-        from lightning_zero import __version__
-
         assert self._engine is not None
         self._refuse_changed_state_dict(checkpoint.get("state_dict"))
         extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}

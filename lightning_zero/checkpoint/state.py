@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from lightning_zero.checkpoint.metadata import CheckpointError
+from lightning_zero.core.layout.optim_state import is_scalar_state
 from lightning_zero.core.named_state import NamedState
-from lightning_zero.core.optim_state import is_scalar_state
 
 # read(section, name, start, end) -> 1D tensor of elements [start, end) of the flattened tensor ``name``;
 # ``section`` is "params" or (optimizer index, state key).

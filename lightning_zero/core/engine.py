@@ -6,7 +6,7 @@ The engine knows nothing about Lightning; any training loop drives it with a few
    parameters and buffers are broadcast, and the trainable parameters are packed into flat buffers (see
    [Note: flat layout]): for stages 1 and 2 those of each optimizer param group, in buckets of at most
    ``bucket_cap_mb``; for stage 3 every parameter of each gather unit (see [Note: stage-3 gather units]),
-   which then keeps only its shard. Each buffer an optimizer trains gets a store (see core/store.py) and a
+   which then keeps only its shard. Each buffer an optimizer trains gets a store (see core/store/stores.py) and a
    gradient bucket; each optimizer gets an :class:`OptimizerStep` (see [Note: the step window]).
 2. ``begin_iteration()`` before each forward: whatever an exception left behind is reset (see [Note: bucket
    state]) and parameters unfrozen or added to an optimizer since the last iteration are sharded (see
@@ -48,37 +48,38 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core import named_state
-from lightning_zero.core.buckets import BucketState, GradBucket, GradReducer
-from lightning_zero.core.changes import ChangeWatch
 from lightning_zero.core.comm import CommStats, Communicator
-from lightning_zero.core.elementwise import check_elementwise, check_per_tensor
-from lightning_zero.core.flat_buffer import FlatParamBuffer
-from lightning_zero.core.groups import Topology
-from lightning_zero.core.hyperparams import HyperparameterAgreement
-from lightning_zero.core.loss_weight import LossWeights
+from lightning_zero.core.comm.changes import ChangeWatch
+from lightning_zero.core.comm.hyperparams import HyperparameterAgreement
+from lightning_zero.core.comm.topology import Topology
+from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
+from lightning_zero.core.layout.optim_state import shard_param_state
+from lightning_zero.core.layout.owners import OwnerPlan
+from lightning_zero.core.layout.resting import RestingParameter, clone_gathered_in_state_dicts, engine_access
 from lightning_zero.core.memory import MemoryReport, tensor_nbytes
 from lightning_zero.core.mixed_precision import DynamicLossScaler, PrecisionPolicy
 from lightning_zero.core.named_state import NamedState
-from lightning_zero.core.offload import IOCounts, Offload, prefer_fused_kernels
-from lightning_zero.core.offload.checks import check_offload, offloaded_bytes_per_rank
-from lightning_zero.core.optim_state import shard_param_state
 from lightning_zero.core.options import EngineOptions
-from lightning_zero.core.owners import OwnerPlan
 from lightning_zero.core.packing import Packed, Packer
-from lightning_zero.core.reachability import reached_leaves
-from lightning_zero.core.rest import RestingParameter, clone_gathered_in_state_dicts, engine_access
-from lightning_zero.core.scheduler import Stage3Scheduler
-from lightning_zero.core.stage1 import FullGradBucket
-from lightning_zero.core.stage2 import ShardGradBucket
-from lightning_zero.core.stage3 import GatherUnit
-from lightning_zero.core.step import (
+from lightning_zero.core.stage3.reachability import reached_leaves
+from lightning_zero.core.stage3.scheduler import Stage3Scheduler
+from lightning_zero.core.stage3.units import GatherUnit
+from lightning_zero.core.step.buckets import BucketState, GradBucket, GradReducer
+from lightning_zero.core.step.elementwise import check_elementwise, check_per_tensor
+from lightning_zero.core.step.full_bucket import FullGradBucket
+from lightning_zero.core.step.loss_weight import LossWeights
+from lightning_zero.core.step.optimizer_step import (
     LossScaling,
     OptimizerStep,
     StepEntry,
     install_module_zero_grad,
     uninstall_module_zero_grad,
 )
-from lightning_zero.core.store import MasterStore, ShardStore
+from lightning_zero.core.step.shard_bucket import ShardGradBucket
+from lightning_zero.core.store.checks import check_offload, offloaded_bytes_per_rank
+from lightning_zero.core.store.offload import Offload, prefer_fused_kernels
+from lightning_zero.core.store.stores import MasterStore, ShardStore
+from lightning_zero.core.store.swap import IOCounts
 
 _BUCKET_TYPES: dict[int, type[GradBucket]] = {1: FullGradBucket, 2: ShardGradBucket, 3: ShardGradBucket}
 
@@ -633,7 +634,7 @@ class ZeroEngine:
     @contextmanager
     def saving(self) -> Iterator[None]:
         """Around a checkpoint save: state that rests in the swap file is given as read-only maps of it, so the
-        save streams it instead of holding the rank's share in memory (see core/offload/disk.py)."""
+        save streams it instead of holding the rank's share in memory (see core/store/disk.py)."""
         swap = self.offload.swap if self.offload is not None else None
         with swap.mapped_reads() if swap is not None else nullcontext():
             yield

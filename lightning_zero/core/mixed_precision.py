@@ -4,7 +4,7 @@
 Following the ZeRO paper (section 3.1), a 16-bit run holds per parameter: the parameter in the compute
 dtype (2 bytes), its gradient in the compute dtype (2 bytes), and with the optimizer an fp32 master copy
 (4 bytes) plus the optimizer's own state (Adam: 8 bytes), each divided as the stage divides it. The
-master lives in a ``MasterStore`` (core/store.py). Between steps the held gradient is the 16-bit reduced
+master lives in a ``MasterStore`` (core/store/stores.py). Between steps the held gradient is the 16-bit reduced
 one (so ``zero_grad`` empties it); for the step (from ``ZeroEngine.prepare_step``, which ``optimizer.step()``
 runs if nobody did, to the end of ``optimizer.step()``) the store makes an fp32 copy of it, unscaled,
 which the optimizer sees as its parameter's ``grad`` next to the master piece as its ``data`` (see [Note:

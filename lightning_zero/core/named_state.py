@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.core.flat_buffer import FlatParamBuffer
-from lightning_zero.core.optim_state import gather_param_states, is_scalar_state, param_shaped, shard_param_state
-from lightning_zero.core.rest import engine_access
-from lightning_zero.core.store import MasterStore
+from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
+from lightning_zero.core.layout.optim_state import gather_param_states, is_scalar_state, param_shaped, shard_param_state
+from lightning_zero.core.layout.resting import engine_access
+from lightning_zero.core.store.stores import MasterStore
 
 if TYPE_CHECKING:
     from lightning_zero.core.engine import ZeroEngine
@@ -163,7 +163,7 @@ class NamedState:
         engine = self._engine
         optimizer = engine.optimizers[index]
         managed = [entry.param for entry in engine.steps[index].entries]
-        states = engine.optimizer_state(optimizer)  # paged-out state read back (see core/offload/disk.py)
+        states = engine.optimizer_state(optimizer)  # paged-out state read back (see core/store/disk.py)
         return {
             engine.names[p]: {k: v.reshape(-1) if param_shaped(v, p.shape) else v for k, v in states[id(p)].items()}
             for p in managed

@@ -4,7 +4,7 @@ Stages 1 and 2 pack the trainable parameters of each optimizer param group (each
 group), by dtype, into :class:`ReplicatedBuffer` buckets of at most ``bucket_cap_mb`` in reverse registration
 order (see [Note: bucket order]). Stage 3 packs every parameter of each gather unit (see [Note: stage-3 gather
 units]) into :class:`ShardedBuffer` s by (``requires_grad``, dtype), which keep only their shard. Precision
-chooses each trainable buffer's store (see core/store.py): a :class:`MasterStore` for 16-bit parameters that
+chooses each trainable buffer's store (see core/store/stores.py): a :class:`MasterStore` for 16-bit parameters that
 an optimizer trains, an :class:`InPlaceStore` otherwise (fp32 runs; batch-norm, complex and integer parameters).
 With offload, every floating-point buffer an optimizer trains gets the offload's store instead (core/offload/),
 and stage-3 shards rest where the offload says.
@@ -19,15 +19,15 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_zero.core.comm import Communicator
-from lightning_zero.core.flat_buffer import FlatParamBuffer, ReplicatedBuffer, ShardedBuffer
-from lightning_zero.core.layout import plan_buckets
+from lightning_zero.core.layout.flat_buffer import FlatParamBuffer, ReplicatedBuffer, ShardedBuffer
+from lightning_zero.core.layout.owners import OwnerPlan
+from lightning_zero.core.layout.pieces import plan_buckets
+from lightning_zero.core.layout.resting import RestingParameter, engine_access
 from lightning_zero.core.mixed_precision import PrecisionPolicy
-from lightning_zero.core.offload import Offload
 from lightning_zero.core.options import WrapPolicy
-from lightning_zero.core.owners import OwnerPlan
-from lightning_zero.core.rest import RestingParameter, engine_access
-from lightning_zero.core.stage3 import GatherUnit, assign_params, initialise, materialize_buffers, select_units
-from lightning_zero.core.store import InPlaceStore, MasterStore, ShardStore
+from lightning_zero.core.stage3.units import GatherUnit, assign_params, initialise, materialize_buffers, select_units
+from lightning_zero.core.store.offload import Offload
+from lightning_zero.core.store.stores import InPlaceStore, MasterStore, ShardStore
 
 Packed = tuple[FlatParamBuffer, ShardStore | None]  # a buffer and its store (None: frozen, stage 3 only)
 

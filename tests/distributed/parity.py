@@ -12,10 +12,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_zero.core.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.options import EngineOptions
+from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
 from tests.distributed.models import Block, TinyLM, batch, loss_fn
 
 STEPS = 5

@@ -94,7 +94,7 @@ class Recorder:
         self.outside: list[str] = []  # raw collectives issued outside one
 
     def install(self) -> None:
-        from lightning_zero.core import comm as comm_module
+        from lightning_zero.core.comm import communicator as comm_module
 
         for name in COMMUNICATOR_METHODS:
             setattr(comm_module.Communicator, name, self._method(getattr(comm_module.Communicator, name), name))

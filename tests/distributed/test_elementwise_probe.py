@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.core.elementwise import check_elementwise
+from lightning_zero.core.step.elementwise import check_elementwise
 from tests.helpers import run_on_ranks
 
 ELEMENTWISE = {

@@ -35,7 +35,7 @@ from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.mixed_precision import PrecisionPolicy
 from lightning_zero.core.options import EngineOptions
-from lightning_zero.core.step import StepState
+from lightning_zero.core.step.optimizer_step import StepState
 from lightning_zero.precision import ZeroPrecision
 from tests.distributed.models import TinyLM, batch, loss_fn
 from tests.helpers import run_on_ranks

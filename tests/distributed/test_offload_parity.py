@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lightning_zero.core.comm import Communicator
-from lightning_zero.core.offload.disk import DiskStore
+from lightning_zero.core.store.disk import DiskStore
 from tests.distributed import mixed_parity
 from tests.distributed.models import TinyLM, batch, loss_fn
 from tests.distributed.parity import CASES, STAGES, relative_difference, train_ddp, train_zero

@@ -7,7 +7,7 @@ from torch import nn
 
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.flat_buffer import ShardedState
+from lightning_zero.core.layout.flat_buffer import ShardedState
 from lightning_zero.core.options import EngineOptions
 from tests.helpers import run_on_ranks
 

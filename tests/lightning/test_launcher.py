@@ -118,7 +118,7 @@ def _gloo_threads() -> int:
 
 
 def _stage3_groups() -> Any:
-    """The shard group's communicator and stage 3's companion group (see core/groups.py), both used once."""
+    """The shard group's communicator and stage 3's companion group (see core/comm/topology.py), both used once."""
     from lightning_zero.core.comm import Communicator
 
     comm = Communicator()

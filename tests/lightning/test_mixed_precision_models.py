@@ -49,7 +49,7 @@ def _fit(stage: int, precision: str) -> dict[str, Any]:
     trainer.fit(model, loader, loader)
     validated = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
     engine = trainer.strategy._engine
-    # What the optimizer updates: the fp32 masters, and batch norm's own fp32 parameters (see core/store.py).
+    # What the optimizer updates: the fp32 masters, and batch norm's own fp32 parameters (see core/store/stores.py).
     pieces = [e.store.step_view(e.slot) for e in engine.step_of(trainer.optimizers[0]).entries]
     state = engine.full_state_dict(keep=True)
     return {

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_zero.core.offload import checks
+from lightning_zero.core.store import checks
 from tests.helpers import run_on_ranks
 from tests.lightning.models import TiedLM, fit_cases, make_loader, make_trainer, max_rel_diff, result_of
 
@@ -267,7 +267,7 @@ def test_offload_params_nvme_needs_nvme_path() -> None:
 
 
 def test_fused_kernel_is_chosen_once_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    from lightning_zero.core.offload import prefer_fused_kernels
+    from lightning_zero.core.store.offload import prefer_fused_kernels
 
     model = torch.nn.Linear(4, 4)
     chosen = torch.optim.AdamW(model.parameters(), foreach=True)

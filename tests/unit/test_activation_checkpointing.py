@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from lightning_zero.core.activation_checkpointing import apply_activation_checkpointing
+from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
 
 
 class Counting(nn.Linear):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_zero.core.hyperparams import describe, describe_difference
+from lightning_zero.core.comm.hyperparams import describe, describe_difference
 
 
 def test_description_holds_plain_values_only() -> None:

@@ -1,16 +1,19 @@
 """The layering rules of docs/design.md, each held by a test that fails when the rule is broken.
 
-1. ``lightning_zero.core`` imports neither Lightning, nor ``lightning_zero.checkpoint``, nor the Lightning-side
-   options (``lightning_zero.config``: ``state_dict_type``, ``timeout``, ...): loaded alone, no such module loads.
-2. The checkpoint package and the estimator import no Lightning either.
-3. ``lightning_zero.checkpoint`` reads an engine only through its named-state API: none of its modules names the
+1. The import-linter contracts in pyproject.toml (``[tool.importlinter]``) hold: the glue over the checkpoint code
+   over the core; inside the core, the engine over the stages over the stores over the layouts over ``comm``; the core
+   imports neither Lightning, nor ``lightning_zero.checkpoint``, nor the Lightning-side options; no import cycle.
+   ``lint-imports`` counts imports inside functions and under ``TYPE_CHECKING`` too, so a cycle cannot hide there.
+2. ``lightning_zero.checkpoint`` reads an engine only through its named-state API: none of its modules names the
    engine's internals (buffers, stores, buckets, steps, units).
-4. Only ``core/comm.py`` and ``core/groups.py`` call ``torch.distributed``.
+3. Only ``core/comm/`` calls ``torch.distributed``.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,46 +23,55 @@ import pytest
 import lightning_zero
 
 PACKAGE_DIR = Path(lightning_zero.__file__).parent
-CORE_MODULES = sorted(p.stem for p in (PACKAGE_DIR / "core").glob("*.py") if p.stem != "__init__")
-
-# The package's __init__ imports the Lightning glue on purpose (it registers the strategies), so each check loads
-# modules under an empty parent package: only their own imports run.
-CHECK = """
-import sys, types
-package = types.ModuleType("lightning_zero")
-package.__path__ = [{package!r}]
-sys.modules["lightning_zero"] = package
-for name in {modules!r}:
-    __import__(name)
-forbidden = {forbidden!r}
-loaded = sorted(m for m in sys.modules if any(m == f or m.startswith(f + ".") for f in forbidden))
-print(loaded)
-sys.exit(1 if loaded else 0)
-"""
+PYPROJECT = PACKAGE_DIR.parent / "pyproject.toml"
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
-def _loaded(modules: list[str], forbidden: list[str]) -> subprocess.CompletedProcess:
-    code = CHECK.format(package=str(PACKAGE_DIR), modules=modules, forbidden=forbidden)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+def _lint_imports(package_parent: Path) -> subprocess.CompletedProcess:
+    """``lint-imports`` over the package found in ``package_parent``, with the project's contracts."""
+    env = {**os.environ, "PYTHONPATH": str(package_parent)}
+    command = [str(LINT_IMPORTS), "--no-cache", str(PYPROJECT)]
+    return subprocess.run(command, cwd=package_parent, env=env, capture_output=True, text=True, check=False)
 
 
-def test_core_imports_neither_lightning_nor_checkpoint_nor_glue_options() -> None:
-    modules = [f"lightning_zero.core.{name}" for name in CORE_MODULES]
-    forbidden = ["lightning", "pytorch_lightning", "lightning_zero.checkpoint", "lightning_zero.config"]
-    result = _loaded(modules, forbidden)
-    assert result.returncode == 0, f"the core loaded {result.stdout}{result.stderr}"
+def test_the_import_contracts_hold() -> None:
+    result = _lint_imports(PACKAGE_DIR.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_the_layering_check_can_fail() -> None:
-    """The check itself sees a forbidden import (here: the glue's config imports the core, which is allowed, and the
-    config module is what the core must never load)."""
-    result = _loaded(["lightning_zero.config"], ["lightning_zero.config"])
-    assert result.returncode == 1, result.stdout + result.stderr
+PLANTED = {
+    # a layout reaching up into the engine (also a cycle)
+    "upward": (
+        "core/layout/pieces.py",
+        "import lightning_zero.core.engine",
+        "lightning_zero.core.layout is not allowed to import lightning_zero.core.engine",
+    ),
+    # the core reading the Lightning-side options
+    "glue options": (
+        "core/options.py",
+        "import lightning_zero.config",
+        "lightning_zero.core is not allowed to import lightning_zero.config",
+    ),
+    # a cycle hidden in a function between two stores
+    "hidden cycle": (
+        "core/store/stores.py",
+        "def _f():\n    import lightning_zero.core.store.host",
+        "It could be made acyclic by removing",
+    ),
+}
 
 
-def test_checkpoint_and_estimate_do_not_import_lightning() -> None:
-    result = _loaded(["lightning_zero.checkpoint", "lightning_zero.estimate"], ["lightning", "pytorch_lightning"])
-    assert result.returncode == 0, f"lightning modules loaded: {result.stdout}{result.stderr}"
+@pytest.mark.parametrize("plant", sorted(PLANTED))
+def test_a_planted_import_breaks_a_contract(tmp_path: Path, plant: str) -> None:
+    """The contracts can fail: the same check over a copy of the package with one import planted."""
+    path, line, expected = PLANTED[plant]
+    copy = tmp_path / "lightning_zero"
+    shutil.copytree(PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    target = copy / path
+    target.write_text(target.read_text() + "\n\n" + line + "\n")
+    result = _lint_imports(tmp_path)
+    assert result.returncode != 0, f"planting {line!r} in {path} broke no contract:\n{result.stdout}"
+    assert expected in " ".join(result.stdout.split()), result.stdout
 
 
 ENGINE_INTERNALS = {"buffers", "stores", "buckets", "steps", "units", "scheduler", "reducer", "piece_params"}
@@ -74,11 +86,13 @@ def test_checkpoint_reads_engines_only_through_named_state(path: Path) -> None:
     assert not imports, f"{path.name} imports core.engine; the checkpoint code takes a NamedState"
 
 
-CORE_WITHOUT_COLLECTIVES = [PACKAGE_DIR / "core" / f"{n}.py" for n in CORE_MODULES if n not in ("comm", "groups")]
+CORE_WITHOUT_COLLECTIVES = sorted(
+    p for p in (PACKAGE_DIR / "core").rglob("*.py") if (PACKAGE_DIR / "core" / "comm") not in p.parents
+)
 
 
-@pytest.mark.parametrize("path", CORE_WITHOUT_COLLECTIVES, ids=lambda p: p.name)
-def test_only_comm_and_groups_call_torch_distributed_in_core(path: Path) -> None:
+@pytest.mark.parametrize("path", CORE_WITHOUT_COLLECTIVES, ids=lambda p: str(p.relative_to(PACKAGE_DIR / "core")))
+def test_only_comm_calls_torch_distributed_in_core(path: Path) -> None:
     tree = ast.parse(path.read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names]
     modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]

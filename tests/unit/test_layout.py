@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from lightning_zero.core.layout import FlatLayout, Piece, plan_buckets
+from lightning_zero.core.layout.pieces import FlatLayout, Piece, plan_buckets
 
 SHAPES = [(1,), (7,), (17, 257), (3, 5, 2)]
 WORLD_SIZES = [1, 2, 3, 4, 8]
@@ -92,7 +92,7 @@ def gpt2_small_shapes(tied: bool = True) -> list[tuple[int, ...]]:
 
 
 def test_owner_layout_gives_each_rank_its_whole_tensors_without_padding() -> None:
-    from lightning_zero.core.layout import OwnerLayout
+    from lightning_zero.core.layout.pieces import OwnerLayout
 
     layout = OwnerLayout.build([(3, 4), (5,), (2, 2), (0,)], owners=[1, 0, 1, 0], world_size=3)
     assert layout.padded_numel == layout.numel == 21
@@ -107,7 +107,7 @@ def test_owner_layout_gives_each_rank_its_whole_tensors_without_padding() -> Non
 
 
 def test_owners_are_assigned_largest_first_to_the_least_loaded_rank() -> None:
-    from lightning_zero.core.layout import assign_owners
+    from lightning_zero.core.layout.pieces import assign_owners
 
     owners, loads = assign_owners([10, 40, 30, 20, 20], world_size=2)
     # 40 -> r0, 30 -> r1, 20 (index 3) -> r1, 20 (index 4) -> r0, 10 -> r0 (ties go to the lower rank)
@@ -121,7 +121,7 @@ def test_owners_are_assigned_largest_first_to_the_least_loaded_rank() -> None:
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
 def test_gpt2_small_balances_within_5_percent_of_the_best_possible(tied: bool, world_size: int) -> None:
-    from lightning_zero.core.layout import assign_owners
+    from lightning_zero.core.layout.pieces import assign_owners
 
     nbytes = [4 * math.prod(shape) for shape in gpt2_small_shapes(tied)]
     _, loads = assign_owners(nbytes, world_size)
@@ -131,7 +131,7 @@ def test_gpt2_small_balances_within_5_percent_of_the_best_possible(tied: bool, w
 
 
 def test_greedy_owners_never_exceed_the_average_plus_the_largest_tensor() -> None:
-    from lightning_zero.core.layout import assign_owners
+    from lightning_zero.core.layout.pieces import assign_owners
 
     generator = random.Random(0)
     for _ in range(200):

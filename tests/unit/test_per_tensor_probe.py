@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_zero.core.elementwise import check_elementwise, check_per_tensor
+from lightning_zero.core.step.elementwise import check_elementwise, check_per_tensor
 
 
 class GlobalNormSGD(torch.optim.Optimizer):

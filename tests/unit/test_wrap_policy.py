@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.core.activation_checkpointing import apply_activation_checkpointing
-from lightning_zero.core.stage3 import select_units
+from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
+from lightning_zero.core.stage3.units import select_units
 from tests.distributed.models import Block, TinyLM
 
 # What `class Block` in a script run as `python train.py` is: the same name, another module, another class.

@@ -6,61 +6,21 @@ and the user's optimizer steps there (ZeRO-Offload). The reduced gradient shard 
 training dtype (2 bytes a parameter in the mixed modes) and is widened there; the updated master is rounded to the
 training dtype on the host and only then copied back into the device shard. :class:`HostStore` keeps the master
 in host memory and lets the optimizer keep its state as usual (its state tensors follow the master onto the
-host); :class:`~lightning_zero.core.offload.disk.DiskStore` keeps both in a file and pages them in, buffer by
+host); :class:`~lightning_zero.core.store.disk.DiskStore` keeps both in a file and pages them in, buffer by
 buffer, during the step. On a CPU-only machine "host" and "device" are the same memory: the stores then skip the
 copies, and what differs is only where the bytes are counted (``offloaded``).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_zero.core.flat_buffer import FlatParamBuffer
-from lightning_zero.core.store import MasterStore
-
-HOST = torch.device("cpu")
-
-
-def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> Tensor:
-    """An uninitialised host tensor of exactly ``numel`` elements; page-locked when ``pin`` (on CUDA).
-
-    ``torch.empty(..., pin_memory=True)`` goes through the caching host allocator, which rounds a request up to a
-    power of two (a 20 GiB master would take 32 GiB); registering an ordinary allocation pins exactly its bytes.
-    Where pinning fails (no CUDA, a locked-memory limit) the tensor stays pageable, with one warning.
-    """
-    tensor = torch.empty(numel, dtype=dtype, device=HOST)
-    if pin and tensor.numel() > 0:
-        try:
-            code = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
-            if int(code) != 0:
-                raise RuntimeError(f"cudaHostRegister returned {code}")
-            _REGISTERED[tensor.data_ptr()] = tensor.untyped_storage()
-        except Exception as error:
-            _warn_once(
-                f"offload: could not pin {tensor.numel() * tensor.element_size()} bytes of host memory "
-                f"({error}); using pageable memory, so host-device copies do not overlap with compute."
-            )
-    return tensor
-
-
-def host_release(tensor: Tensor) -> None:
-    """Unpin a tensor made by :func:`host_empty` (a no-op for pageable ones)."""
-    if _REGISTERED.pop(tensor.data_ptr(), None) is not None:
-        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-
-
-_REGISTERED: dict[int, object] = {}
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, stacklevel=3)
+from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
+from lightning_zero.core.layout.host_memory import HOST, host_empty, host_release
+from lightning_zero.core.store.stores import MasterStore
 
 
 def to_host(grad: Tensor, dtype: torch.dtype) -> Tensor:

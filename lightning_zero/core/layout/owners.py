@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from torch import nn
 
 from lightning_zero.core.comm import Communicator
-from lightning_zero.core.layout import assign_owners
+from lightning_zero.core.layout.pieces import assign_owners
 
 
 class OwnerPlan:

@@ -9,20 +9,25 @@ summed in the optimizer's parameter order, as for in-memory stores, so both give
 ``gradients()``. Clipping is recorded as a transform and applied to each store's gradients when they are made;
 once applied, the clipped values go back into the held gradient (torch keeps a clipped gradient), so each
 transform reaches each gradient exactly once, in the step or, for a step that does not come, when it is dropped.
-Held gradients that rest on disk (see :class:`~lightning_zero.core.stage2.ShardGradBucket`) are read for their
-store's turn and go back to disk after it.
+Held gradients that rest on disk (see :class:`~lightning_zero.core.step.shard_bucket.ShardGradBucket`) are read for
+their store's turn and go back to disk after it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
-if TYPE_CHECKING:
-    from lightning_zero.core.step import StepEntry
+from lightning_zero.core.comm import Communicator
+from lightning_zero.core.step.entry import StepEntry
+from lightning_zero.core.store.disk import PIPELINE_DEPTH, DiskStore, Paged
+from lightning_zero.core.store.swap import SwapIOError
 
 Transform = Callable[[Tensor], object]
 
@@ -38,7 +43,7 @@ class PagedGroup:
 
 @dataclass
 class PagedWork:
-    """One paged store's part of a step (see :func:`~lightning_zero.core.offload.disk.run_paged`): its parameters,
+    """One paged store's part of a step (see :func:`run_paged`): its parameters,
     and how their step gradients are made, dropped and read ahead."""
 
     store: object
@@ -100,7 +105,7 @@ class PagedStepGrads:
         self.transforms.append(fn)
 
     def work(self) -> list[PagedWork]:
-        """What :func:`~lightning_zero.core.offload.disk.run_paged` steps, one store at a time."""
+        """What :func:`run_paged` steps, one store at a time."""
         return [
             PagedWork(
                 group.entries[0].store,
@@ -124,3 +129,67 @@ class PagedStepGrads:
         held = [e.bucket.held(e.slot) for e in group.entries]
         assert all(grad is not None for grad in held)
         return held  # type: ignore[return-value]
+
+
+def run_paged(
+    optimizer: Optimizer,
+    work: Sequence[PagedWork],
+    raw_step: Callable[[], Any],
+    comm: Communicator,
+    device: torch.device,
+) -> None:
+    """Step ``optimizer`` over paged stores, one store at a time, reading ahead and writing behind. See [Note:
+    paged optimizer steps]. ``work`` holds each store with its parameters and their step gradients (made in its
+    turn, see [Note: paged step gradients]); every parameter's ``grad`` must be ``None`` on entry (the others'
+    too). Collective: ranks agree on I/O errors."""
+    failure: BaseException | None = None
+    try:
+        _pipeline(optimizer, work, raw_step)
+    except BaseException as error:  # agreed below, then raised on every rank
+        failure = error
+    failed = torch.tensor(int(failure is not None), dtype=torch.uint8, device=device)
+    comm.all_reduce(failed, op="max")
+    if failure is not None:
+        raise failure
+    if failed.item():
+        raise SwapIOError("offload: another rank failed to read or write its swap file during the step (see its error)")
+
+
+def _pipeline(optimizer: Optimizer, work: Sequence[PagedWork], raw_step: Callable[[], Any]) -> None:
+    if not work:
+        return
+    swap = work[0].store.swap  # type: ignore[attr-defined]
+    if swap.staged is not None:
+        swap.staged.flush()
+    reads: dict[int, Future[Paged]] = {}
+    writes: dict[int, Future[None]] = {}
+
+    def read(index: int) -> None:
+        work[index].read_ahead()
+        reads[index] = swap.pool.submit(work[index].store.page_in, optimizer)  # type: ignore[attr-defined]
+
+    try:
+        for index in range(min(PIPELINE_DEPTH - 1, len(work))):
+            read(index)
+        for index, item in enumerate(work):
+            store: DiskStore = item.store  # type: ignore[assignment]
+            paged = reads.pop(index).result()
+            ahead = index + PIPELINE_DEPTH - 1
+            if ahead < len(work):
+                if index - 1 in writes:  # at most PIPELINE_DEPTH buffers in memory: the oldest is written first
+                    writes.pop(index - 1).result()
+                read(ahead)
+            grads = item.make_grads()
+            entries = [(param, slot, grad) for (param, slot), grad in zip(item.params, grads, strict=True)]
+            store.bind(paged, optimizer, entries)
+            try:
+                raw_step()
+            finally:
+                store.unbind(paged, optimizer, entries)
+                item.drop_grads(grads)
+            writes[index] = swap.pool.submit(store.page_out, paged)
+        for future in writes.values():
+            future.result()
+    finally:
+        for future in [*reads.values(), *writes.values()]:
+            future.cancel()

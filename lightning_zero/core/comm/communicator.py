@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.core.lost_rank import FailureNotices, guarded, notices_prefix
+from lightning_zero.core.comm.lost_rank import FailureNotices, guarded, notices_prefix
 
 # torch 2.10+ renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -118,7 +118,7 @@ class Communicator:
         """A communicator over the same ranks in a group of its own, created once (collective the first time).
 
         Collectives are matched in issue order per group, so two independent streams of collectives (stage-3
-        gathers and gradient reductions) each need their own group. See core/groups.py."""
+        gathers and gradient reductions) each need their own group. See core/comm/topology.py."""
         if self._companion is None:
             ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
             # With the parent's timeout: new_group's default (30 minutes) would let a hung rank stall the gathers.

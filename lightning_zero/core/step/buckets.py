@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core.comm import Communicator, Work
-from lightning_zero.core.flat_buffer import FlatParamBuffer
+from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
 
 
 class BucketState(Enum):

@@ -14,9 +14,9 @@ from concurrent.futures import Future
 import torch
 from torch import Tensor
 
-from lightning_zero.core.buckets import GradBucket
 from lightning_zero.core.comm import Communicator
-from lightning_zero.core.flat_buffer import FlatParamBuffer, ShardStorage
+from lightning_zero.core.layout.flat_buffer import FlatParamBuffer, ShardStorage
+from lightning_zero.core.step.buckets import GradBucket
 
 
 class ShardGradBucket(GradBucket):

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from lightning_zero.core.comm import Communicator
-from lightning_zero.core.flat_buffer import FlatParamBuffer
-from lightning_zero.core.layout import Piece
+from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
+from lightning_zero.core.layout.pieces import Piece
 
 
 def is_scalar_state(value: Any) -> bool:

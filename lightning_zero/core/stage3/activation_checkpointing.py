@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_zero.core.stage3 import WrapPolicy, policy_matcher, warn_unmatched_policy
+from lightning_zero.core.stage3.units import WrapPolicy, policy_matcher, warn_unmatched_policy
 
 
 def apply_activation_checkpointing(root: nn.Module, policy: WrapPolicy) -> list[nn.Module]:

@@ -10,12 +10,12 @@ import logging
 import torch
 from torch.optim import Optimizer
 
-from lightning_zero.core.flat_buffer import FlatParamBuffer
-from lightning_zero.core.offload.disk import DiskStore, IOCounts, ShardOnDisk, SwapFile
-from lightning_zero.core.offload.host import HOST, HostStore
-from lightning_zero.core.store import ShardStore
-
-__all__ = ["DiskStore", "HostStore", "IOCounts", "Offload", "SwapFile", "prefer_fused_kernels"]
+from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
+from lightning_zero.core.layout.host_memory import HOST
+from lightning_zero.core.store.disk import DiskStore
+from lightning_zero.core.store.host import HostStore
+from lightning_zero.core.store.stores import ShardStore
+from lightning_zero.core.store.swap import IOCounts, RestingTensor, SwapFile
 
 log = logging.getLogger("lightning_zero")
 
@@ -54,9 +54,9 @@ class Offload:
         """Where stage-3 parameter shards rest (``None``: with the full buffer, on the device)."""
         return HOST if self.params else None
 
-    def resting(self) -> ShardOnDisk | None:
+    def resting(self) -> RestingTensor | None:
         """Where one stage-3 shard rests between uses (``offload_params="nvme"``: a swap-file region)."""
-        return ShardOnDisk(self.swap) if self.params == "nvme" and self.swap is not None else None
+        return RestingTensor(self.swap) if self.params == "nvme" and self.swap is not None else None
 
     @property
     def gradients_rest(self) -> bool:
@@ -64,13 +64,13 @@ class Offload:
         optimizer both on NVMe (ZeRO-Infinity), nothing that grows with the model stays in memory."""
         return self.optimizer == "nvme" and self.params == "nvme" and self.swap is not None
 
-    def gradient_resting(self) -> tuple[ShardOnDisk, ShardOnDisk] | None:
+    def gradient_resting(self) -> tuple[RestingTensor, RestingTensor] | None:
         """Where one stage-3 gradient shard rests, and the result of a reduction that adds to it (see
-        :class:`~lightning_zero.core.stage2.ShardGradBucket`); ``None`` unless :attr:`gradients_rest`."""
+        :class:`~lightning_zero.core.step.shard_bucket.ShardGradBucket`); ``None`` unless :attr:`gradients_rest`."""
         if not self.gradients_rest:
             return None
         assert self.swap is not None
-        return ShardOnDisk(self.swap), ShardOnDisk(self.swap)
+        return RestingTensor(self.swap), RestingTensor(self.swap)
 
     @property
     def io(self) -> IOCounts:

@@ -34,8 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero.core.comm import Communicator, Work
-from lightning_zero.core.layout import FlatLayout, Layout, OwnerLayout, Piece
-from lightning_zero.core.rest import engine_access
+from lightning_zero.core.layout.host_memory import host_empty
+from lightning_zero.core.layout.pieces import FlatLayout, Layout, OwnerLayout, Piece
+from lightning_zero.core.layout.resting import engine_access
 
 
 class ShardStorage(Protocol):
@@ -313,8 +314,6 @@ class ShardedBuffer(FlatParamBuffer):
         lo, hi = self.bounds
         if self.shard_home is None or self.shard_home == self.data.device:
             return self.data[lo:hi].clone()
-        from lightning_zero.core.offload.host import host_empty
-
         shard = host_empty(hi - lo, self.data.dtype, pin=self.data.device.type == "cuda")
         return shard.copy_(self.data[lo:hi])
 

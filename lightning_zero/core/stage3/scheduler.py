@@ -10,7 +10,7 @@ backward (``ZeroEngine.scale_loss``, which the Lightning glue calls before every
 rank reaches, unlike the first unit a backward needs. When a rank needs a unit it issues the plan's entries
 up to that unit's next one; the end of backward issues whatever is left. An entry whose unit is still
 gathered issues nothing, and a unit with entries left is not freed, so that decision is the same on every
-rank. Gathers run over a group of their own (core/groups.py), so their order never has to interleave with
+rank. Gathers run over a group of their own (core/comm/topology.py), so their order never has to interleave with
 the reductions' identically on every rank. With a plan open, a unit needed with no entry left (a backward
 of a graph whose units another backward already consumed: forward A, forward B, backward A, backward B)
 raises instead of gathering out of order. A backward no plan announced (``torch.autograd.grad`` of an input,
@@ -37,8 +37,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from lightning_zero.core.comm import Communicator
-from lightning_zero.core.divergence import GatherSequence
-from lightning_zero.core.stage3 import GatherUnit
+from lightning_zero.core.stage3.divergence import GatherSequence
+from lightning_zero.core.stage3.units import GatherUnit
 
 
 class Stage3Scheduler:
@@ -46,7 +46,7 @@ class Stage3Scheduler:
 
     Args:
         units: every unit, the root last.
-        comm: the gather group (see core/groups.py).
+        comm: the gather group (see core/comm/topology.py).
         prefetch: start the next unit's gather early (``overlap_comm``).
         on_passed_over: called with the units a backward issued the gathers of on its way to a later plan entry
             (see [Note: units a backward passes over]).

@@ -66,7 +66,7 @@ def _nvme_problem(path: str | None, needed: int, comm: Communicator) -> str | No
     if not os.path.isdir(path):
         return f"nvme_path={path!r} is not a directory; pass the directory the swap files go in."
     try:
-        from lightning_zero.core.offload.disk import SwapFile
+        from lightning_zero.core.store.swap import SwapFile
 
         SwapFile(path, comm.rank).close()
     except OSError as error:

@@ -37,9 +37,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core.comm import Communicator, Work
-from lightning_zero.core.flat_buffer import ShardedBuffer, ShardedState
+from lightning_zero.core.layout.flat_buffer import ShardedBuffer, ShardedState
+from lightning_zero.core.layout.resting import engine_access
 from lightning_zero.core.options import WrapPolicy
-from lightning_zero.core.rest import engine_access
 
 
 def select_units(root: nn.Module, policy: WrapPolicy) -> list[nn.Module]:

@@ -17,7 +17,6 @@ import functools
 import math
 import types
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any
 
@@ -26,14 +25,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_zero.core.buckets import GradBucket
 from lightning_zero.core.comm import Communicator, wait_all
-from lightning_zero.core.loss_weight import LossWeights
+from lightning_zero.core.layout.resting import engine_access
 from lightning_zero.core.mixed_precision import DynamicLossScaler
-from lightning_zero.core.offload.disk import run_paged
-from lightning_zero.core.paged_grads import PagedStepGrads
-from lightning_zero.core.rest import engine_access
-from lightning_zero.core.store import ShardStore
+from lightning_zero.core.step.buckets import GradBucket
+from lightning_zero.core.step.entry import StepEntry
+from lightning_zero.core.step.loss_weight import LossWeights
+from lightning_zero.core.step.paged import PagedStepGrads, run_paged
 
 
 class StepState(Enum):
@@ -42,16 +40,6 @@ class StepState(Enum):
     IDLE = auto()  # no step gradients exist
     PREPARED = auto()  # step gradients made (clipping may change them); optimizer.step() comes next
     STEPPING = auto()  # inside optimizer.step(): parameters hold their pieces
-
-
-@dataclass(frozen=True)
-class StepEntry:
-    """A parameter the optimizer trains, and where its shard lives."""
-
-    param: nn.Parameter
-    slot: int
-    store: ShardStore
-    bucket: GradBucket
 
 
 class LossScaling:

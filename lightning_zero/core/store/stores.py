@@ -17,14 +17,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_zero.core.flat_buffer import FlatParamBuffer
+from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
 
 
 class ShardStore(ABC):
     """The optimizer's side of one buffer's shard."""
 
     offloaded = False  # the optimizer's copy and state live off the device (core/offload/)
-    paged = False  # the optimizer's copy and state are paged in per buffer during the step (core/offload/disk.py)
+    paged = False  # the optimizer's copy and state are paged in per buffer during the step (core/store/disk.py)
 
     def __init__(self, buffer: FlatParamBuffer) -> None:
         self.buffer = buffer
