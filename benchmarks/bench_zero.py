@@ -441,7 +441,7 @@ class ZeroSystem(System):
         loss.backward()  # hooks fill the buckets; reduce-scatters overlap backward and are waited for at its end
         self.engine.finish_backward()  # a no-op here: every rank's backward reached the hooks
         t3 = now(device)
-        self.engine.prepare_step(self.optimizer)  # bf16: fp32 gradients for the masters; fp32: the held ones
+        self.engine.step_of(self.optimizer).prepare()  # bf16: fp32 gradients for the masters; fp32: the held ones
         t4 = now(device)
         self.optimizer.step()  # the step window, then masters rounded and (stages 1, 2) the new shards gathered
         t5 = now(device)
@@ -560,7 +560,7 @@ class BaselineZeroSystem(ZeroSystem):
         loss.backward()
         getattr(engine, "finish_backward", lambda: None)()
         t3 = now(device)
-        engine.prepare_step(self.optimizer)
+        engine.step_of(self.optimizer).prepare()
         t4 = now(device)
         self.optimizer.step()
         getattr(engine, "finish_step", lambda optimizer: None)(self.optimizer)

@@ -38,7 +38,7 @@ Checks, in this order (``--checks`` names):
    host masters and parameter shards, and of the swap file's pages), the host RSS growth at setup against the
    offloaded bytes, the swap file's I/O, from a ``torch.profiler`` trace of one more step whether host<->device
    copies overlap compute (the share of copy time during which a compute kernel ran, and the streams of each), and
-   a last step clipped at gradient norm 1 (``engine.clip_grad_norm_``; offloaded: the norm of host gradients).
+   a last step clipped at gradient norm 1 (``engine.step_of(optimizer).clip_grad_norm_``; offloaded: the norm of host gradients).
 
 Two ranks sharing one GPU measure contention, not scaling, so the timing and memory rows are at world size 1.
 """
@@ -406,8 +406,8 @@ def engine_step(
         loss = lm_loss(engine.module, x, y)
     engine.scale_loss(loss).backward()
     engine.finish_backward()
-    engine.prepare_step(optimizer)
-    norm = engine.clip_grad_norm_(optimizer, clip) if clip is not None else None
+    engine.step_of(optimizer).prepare()
+    norm = engine.step_of(optimizer).clip_grad_norm_(clip) if clip is not None else None
     optimizer.step()
     return loss.detach(), norm
 
@@ -473,11 +473,11 @@ def close_system(system: System) -> None:
     try:
         engine.release()
     except Exception:
-        for store in engine.stores.values():
+        for store in (g.store for g in engine.model.trained):
             with contextlib.suppress(Exception):
                 store.close()
-        if engine.offload is not None:
-            engine.offload.close()
+        if engine.model.offload is not None:
+            engine.model.offload.close()
         raise
 
 
@@ -781,15 +781,15 @@ def clipped_step(system: System, batch: tuple[Tensor, Tensor], device: torch.dev
 
 def host_buffers(system: System) -> dict[str, Any]:
     """Whether the host buffers of an offloaded engine are pinned, their bytes, and the RSS growth at setup."""
-    from lightning_zero.core.layout.flat_buffer import ShardedBuffer
     from lightning_zero.core.layout import host_memory
+    from lightning_zero.core.layout.flat_buffer import ShardedBuffer
     from lightning_zero.core.store import host
     from lightning_zero.core.store.swap import aligned_empty
 
     engine = system.engine
-    masters = [s.master for s in engine.stores.values() if isinstance(s, host.HostStore)]
-    shards = [b.shard for b in engine.buffers if isinstance(b, ShardedBuffer) and b.shard_home and not b.resting]
-    swap = engine.offload.swap if engine.offload is not None else None
+    masters = [s.master for s in (g.store for g in engine.model.trained) if isinstance(s, host.HostStore)]
+    shards = [b.shard for b in engine.model.buffers if isinstance(b, ShardedBuffer) and b.shard_home and not b.resting]
+    swap = engine.model.offload.swap if engine.model.offload is not None else None
     return {
         "cuda": engine.device.type == "cuda",
         "masters": len(masters),

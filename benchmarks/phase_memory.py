@@ -64,7 +64,7 @@ def phase_peaks(rank: int, world_size: int, args: argparse.Namespace, name: str)
         peaks["backward/end"] = _status_mib("VmRSS") - start
         _reset_peak()
         if engine is not None:
-            engine.prepare_step(system.optimizer)
+            engine.step_of(system.optimizer).prepare()
         peaks["prepare_step"] = _status_mib("VmHWM") - start
         peaks["prepare_step/end"] = _status_mib("VmRSS") - start
         _reset_peak()

@@ -68,8 +68,8 @@ def rank_loop(rank: int, world_size: int, args: argparse.Namespace) -> dict[str,
     records: dict[str, list[int]] = {"rss": [], "comm": [], "grad_hooks": [], "forward_hooks": []}
     for fit in range(args.fits):
         if fit:
-            engine.remove_hooks()  # the strategy's teardown
-            engine.register_hooks()  # the next setup
+            engine.backward.remove_hooks()  # the strategy's teardown
+            engine.backward.register_hooks()  # the next setup
         for _ in range(args.steps):
             starts = torch.randint(0, len(data) - cfg.block_size - 1, (args.batch_size,), generator=generator)
             x = torch.stack([data[s : s + cfg.block_size] for s in starts])
@@ -81,11 +81,11 @@ def rank_loop(rank: int, world_size: int, args: argparse.Namespace) -> dict[str,
             engine.scale_loss(loss).backward()
             engine.finish_backward()
             optimizer.step()
-            engine.reshard_all()
+            engine.model.scheduler.reshard_all()
             records["rss"].append(rss_bytes())
             records["comm"].append(engine.last_step_comm.nbytes)
-            assert engine.scheduler is not None
-            records["grad_hooks"].append(len(engine.scheduler._grad_hooks))
+            assert engine.model.scheduler is not None
+            records["grad_hooks"].append(len(engine.model.scheduler._grad_hooks))
             hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
             records["forward_hooks"].append(hooks)
     return {"records": records, "params": sum(p.numel() for p in model.parameters()), "loss": float(loss)}

@@ -43,7 +43,7 @@ def take_training_step_output(engine: ZeroEngine, enabled: bool, output: Any, au
             f"per-token losses and how many tokens it summed), got {_describe(output)}."
         )
     weight = check_loss_weight(output[WEIGHT_KEY], where)
-    engine.add_loss_weight(weight, float(output["loss"].detach()))
+    engine.loss_weights.add(weight, float(output["loss"].detach()))
 
 
 def take_manual_backward(engine: ZeroEngine, enabled: bool, loss: Tensor, weight: Any, step: int) -> None:
@@ -61,7 +61,7 @@ def take_manual_backward(engine: ZeroEngine, enabled: bool, loss: Tensor, weight
             f"{where} got loss_weight, but ZeroStrategy(weighted_loss=False) would ignore it. Pass "
             "ZeroStrategy(weighted_loss=True) to train on the mean over all ranks' tokens."
         )
-    engine.add_loss_weight(check_loss_weight(weight, where), float(loss.detach()))
+    engine.loss_weights.add(check_loss_weight(weight, where), float(loss.detach()))
 
 
 def _describe(output: Any) -> str:

@@ -123,7 +123,7 @@ class ZeroPrecision(Precision):
         scaler. The engine holds every piece of step state; this plugin keeps none of its own."""
         self._engine = engine
         if engine is not None:
-            engine.use_loss_scaler(self.scaler)
+            engine.scaling.scaler = self.scaler
 
     # ------------------------------------------------------------------ forward
     @override
@@ -173,27 +173,27 @@ class ZeroPrecision(Precision):
         # window] in core/step/optimizer_step.py).
         closure_result = closure()
         engine, inner = self._engine, unwrap_optimizer(optimizer)
-        if engine is None or not engine.manages(inner):
+        if engine is None or not engine.model.manages(inner):
             self._after_closure(model, optimizer)
             return optimizer.step(**kwargs)
         if closure_result is None and model.automatic_optimization:  # training_step returned None: no step
             self._after_closure(model, optimizer)
-            engine.skip_step(inner)
+            engine.step_of(inner).skip()
             return closure_result
         # The step's gradients (fp32, unscaled) exist before on_before_optimizer_step and clipping, as Lightning's
         # AMP plugin unscales before them.
-        engine.prepare_step(inner)
+        engine.step_of(inner).prepare()
         self._after_closure(model, optimizer)
         optimizer.step(**kwargs)
         return closure_result
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        self._require_engine().clip_grad_norm_(unwrap_optimizer(optimizer), clip_val)
+        self._require_engine().step_of(unwrap_optimizer(optimizer)).clip_grad_norm_(clip_val)
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        self._require_engine().clip_grad_value_(unwrap_optimizer(optimizer), clip_val)
+        self._require_engine().step_of(unwrap_optimizer(optimizer)).clip_grad_value_(clip_val)
 
     # ------------------------------------------------------------------ checkpoint
     @override

@@ -249,7 +249,7 @@ class ZeroStrategy(ParallelStrategy):
         if engine is None:
             return False
         if not fitting and engine.module is self.model:
-            engine.register_hooks()
+            engine.backward.register_hooks()
             self.precision_plugin.attach(engine)
             return True
         engine.release()
@@ -284,7 +284,7 @@ class ZeroStrategy(ParallelStrategy):
             module = self.lightning_module
             # Lightning divides each automatic-optimization loss by accumulate_grad_batches: undone exactly.
             factor = 1.0 / module.trainer.accumulate_grad_batches if module.automatic_optimization else 1.0
-            self._engine.weight_losses(True, loss_factor=factor)
+            self._engine.loss_weights.enabled, self._engine.loss_weights.loss_factor = True, factor
         if fitting:
             # Lightning's optimizer wrappers copy their optimizer's class: make them again now that the engine has
             # given each optimizer a zero_grad that empties the gradient shards (see core/step/optimizer_step.py).
@@ -318,12 +318,12 @@ class ZeroStrategy(ParallelStrategy):
             # gradients were reduced, not after a micro-batch of gradient accumulation.
             if self._sync_buffers_next:
                 self._engine.sync_buffers()
-            self._sync_buffers_next = not self._engine.in_no_sync
+            self._sync_buffers_next = not self._engine.backward.in_no_sync
             # Stage 3: the step may use root-unit parameters without calling the root's forward; the end of
             # backward frees them again, except in manual optimization, where forwards may follow a backward.
-            self._engine.unshard_root()
+            self._engine.model.scheduler.unshard_root()
             if not self.lightning_module.automatic_optimization:
-                with self._engine.hold_root():
+                with self._engine.model.scheduler.hold_root():
                     output = super().training_step(*args, **kwargs)
             else:
                 output = super().training_step(*args, **kwargs)
@@ -376,11 +376,11 @@ class ZeroStrategy(ParallelStrategy):
         if self._engine is None:
             yield
             return
-        self._engine.unshard_root()
+        self._engine.model.scheduler.unshard_root()
         try:
             yield
         finally:
-            self._engine.reshard_all()
+            self._engine.model.scheduler.reshard_all()
 
     @contextmanager
     @override
@@ -388,7 +388,7 @@ class ZeroStrategy(ParallelStrategy):
         if self._engine is None:
             yield
             return
-        with self._engine.no_sync():
+        with self._engine.backward.no_sync():
             yield
 
     @contextmanager
@@ -521,7 +521,7 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         inner = unwrap_optimizer(optimizer)
-        if self._engine is None or not self._engine.manages(inner):
+        if self._engine is None or not self._engine.model.manages(inner):
             return inner.state_dict()
         if self._sharded_checkpoints:
             return {}  # save_checkpoint writes each rank's part of it
@@ -530,7 +530,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        managed = [o for o in map(unwrap_optimizer, self.optimizers) if self._engine and self._engine.manages(o)]
+        managed = [o for o in map(unwrap_optimizer, self.optimizers) if self._engine and self._engine.model.manages(o)]
         if not managed:
             return  # nothing to load (e.g. configure_optimizers returned None)
         engine = self._require_engine()
@@ -541,7 +541,7 @@ class ZeroStrategy(ParallelStrategy):
             ]
         else:
             saved = [(s.get(PARAM_NAMES_KEY), s["param_groups"]) for s in checkpoint["optimizer_states"]]
-        if restore_added_param_groups(engine, managed, saved):
+        if restore_added_param_groups(engine.model, managed, saved):
             engine.begin_iteration()  # shards the parameters of the groups added back (collective)
         if _SHARDED_KEY in checkpoint:
             _load_sharded_optimizers(engine, checkpoint[_SHARDED_KEY], self.lightning_module.strict_loading)
@@ -623,7 +623,7 @@ class ZeroStrategy(ParallelStrategy):
         # With an engine, or after a stage-3 setup that raised part way (some parameters still on the meta device,
         # which a move to the CPU would fail on, hiding the setup's own error).
         if self._engine is not None:
-            self._engine.remove_hooks()
+            self._engine.backward.remove_hooks()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,10 +22,8 @@ from torch.optim import Optimizer
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
 from lightning_zero.core.layout.optim_state import gather_param_states, is_scalar_state, param_shaped, shard_param_state
 from lightning_zero.core.layout.resting import engine_access
+from lightning_zero.core.shards import BufferGroup, ShardedModel
 from lightning_zero.core.store.stores import MasterStore
-
-if TYPE_CHECKING:
-    from lightning_zero.core.engine import ZeroEngine
 
 # read(start, end) -> 1D tensor of elements [start, end) of one flattened tensor
 Read = Callable[[int, int], Tensor]
@@ -53,9 +51,12 @@ class ShardedTensor:
     ranges: tuple[tuple[int, int, int], ...]
     start: int
     end: int
-    _engine: ZeroEngine
-    _buffer: FlatParamBuffer
+    _group: BufferGroup
     _slot: int
+
+    @property
+    def _buffer(self) -> FlatParamBuffer:
+        return self._group.buffer
 
     @property
     def whole(self) -> bool:
@@ -63,12 +64,12 @@ class ShardedTensor:
 
     def owned(self) -> Tensor:
         """A view of this rank's elements, in :attr:`dtype` (clone it to keep it)."""
-        return self._buffer.owned(self._engine.best_values(self._buffer), self._slot)
+        return self._buffer.owned(self._group.best_values(), self._slot)
 
     @property
     def state_device(self) -> torch.device:
         """Where the optimizer keeps this parameter's state (the host for offloaded stores)."""
-        store = self._engine.stores.get(id(self._buffer))
+        store = self._group.store
         if store is None:
             return self._buffer.data.device
         return torch.device("cpu") if store.offloaded else store.step_view(self._slot).device
@@ -76,7 +77,7 @@ class ShardedTensor:
     def load(self, read: Read) -> None:
         """Set this rank's elements (and, at stages 1 and 2, where every rank holds every element, the rest) from
         ``read``; values are cast to the dtypes held, so a checkpoint moves between precisions."""
-        store = self._engine.stores.get(id(self._buffer))
+        store = self._group.store
         with torch.no_grad():
             if self.end > self.start:
                 owned = read(self.start, self.end)
@@ -87,35 +88,35 @@ class ShardedTensor:
 
 
 class NamedState:
-    """The checkpoint-facing view of one engine. See the module docstring."""
+    """The checkpoint-facing view of one model. See the module docstring."""
 
-    def __init__(self, engine: ZeroEngine) -> None:
-        self._engine = engine
-        self.comm = engine.comm  # the ranks that hold the shards
-        self.stage = engine.options.stage
+    def __init__(self, model: ShardedModel) -> None:
+        self._model = model
+        self.comm = model.comm  # the ranks that hold the shards
+        self.stage = model.stage
 
     def tensors(self) -> list[ShardedTensor]:
         """Every parameter held in a flat buffer, in the module's ``state_dict`` order."""
-        engine = self._engine
+        model = self._model
         found = []
-        for buffer in engine.buffers:
+        for group in model.groups:
+            buffer = group.buffer
             ranges: dict[int, list[tuple[int, int, int]]] = {slot: [] for slot in range(len(buffer.params))}
             for rank in range(buffer.layout.world_size):
                 for piece in buffer.layout.pieces(rank):
                     ranges[piece.slot].append((rank, piece.start, piece.end))
-            dtype = engine.best_values(buffer).dtype
+            dtype = group.best_values().dtype
             for slot, param in enumerate(buffer.params):
                 piece = buffer.pieces[slot]
                 found.append(
                     ShardedTensor(
-                        engine.names[param],
+                        model.names[param],
                         buffer.layout.slots[slot].shape,
                         dtype,
                         tuple(ranges[slot]),
                         piece.start,
                         piece.end,
-                        engine,
-                        buffer,
+                        group,
                         slot,
                     )
                 )
@@ -124,10 +125,10 @@ class NamedState:
 
     def unmanaged(self) -> dict[str, Tensor]:
         """State-dict tensors that no flat buffer holds, by (first) name, owned whole by rank 0."""
-        engine = self._engine
-        seen = {id(p) for b in engine.buffers for p in b.params}
+        model = self._model
+        seen = {id(p) for b in model.buffers for p in b.params}
         extras: dict[str, Tensor] = {}
-        for key, value in engine.module.state_dict(keep_vars=True).items():
+        for key, value in model.module.state_dict(keep_vars=True).items():
             if isinstance(value, Tensor) and id(value) not in seen:
                 seen.add(id(value))
                 extras[key] = value
@@ -135,37 +136,37 @@ class NamedState:
 
     def state_dict_keys(self) -> list[list[str]]:
         """``[key, tensor name]`` for every tensor key of the module's ``state_dict``, in order (tied keys repeat)."""
-        name_of = {id(p): name for p, name in self._engine.names.items()}
+        name_of = {id(p): name for p, name in self._model.names.items()}
         return [
             [key, name_of.get(id(value), key)]
-            for key, value in self._engine.module.state_dict(keep_vars=True).items()
+            for key, value in self._model.module.state_dict(keep_vars=True).items()
             if isinstance(value, Tensor)
         ]
 
     def optimizer_param_names(self) -> list[list[list[str]]]:
         """Per optimizer, per param group, the names of its parameters."""
-        names = self._engine.names
-        return [[[names[p] for p in group["params"]] for group in o.param_groups] for o in self._engine.optimizers]
+        names = self._model.names
+        return [[[names[p] for p in group["params"]] for group in o.param_groups] for o in self._model.optimizers]
 
     def optimizer_hyperparameters(self, index: int) -> list[dict[str, Any]]:
         """Optimizer ``index``'s param groups without their parameters."""
-        optimizer = self._engine.optimizers[index]
+        optimizer = self._model.optimizers[index]
         return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
     def saving(self) -> AbstractContextManager[None]:
         """Around a save: offloaded state is read for it without a copy in memory where it can be (read-only)."""
-        return self._engine.saving()
+        return self._model.saving()
 
     def optimizer_shard_state(self, index: int) -> dict[str, dict[str, Any]]:
         """Optimizer ``index``'s state by parameter name: this rank's pieces of the element-wise state, flattened
         (whole-tensor owners hold it in the parameter's shape), and any other state as it is (see
         :meth:`whole_state_keys`)."""
-        engine = self._engine
-        optimizer = engine.optimizers[index]
-        managed = [entry.param for entry in engine.steps[index].entries]
-        states = engine.optimizer_state(optimizer)  # paged-out state read back (see core/store/disk.py)
+        model = self._model
+        optimizer = model.optimizers[index]
+        managed = [entry.param for entry in model.steps[index].entries]
+        states = model.optimizer_state(optimizer)  # paged-out state read back (see core/store/disk.py)
         return {
-            engine.names[p]: {k: v.reshape(-1) if param_shaped(v, p.shape) else v for k, v in states[id(p)].items()}
+            model.names[p]: {k: v.reshape(-1) if param_shaped(v, p.shape) else v for k, v in states[id(p)].items()}
             for p in managed
             if states.get(id(p))
         }
@@ -173,40 +174,40 @@ class NamedState:
     def whole_state_keys(self, index: int) -> dict[str, list[str]]:
         """Per parameter name, the keys of optimizer ``index``'s state that is neither scalar nor element-wise
         (Adafactor's row and column factors): only whole-tensor owners have such state, saved whole by the owner."""
-        engine = self._engine
-        optimizer = engine.optimizers[index]
+        model = self._model
+        optimizer = model.optimizers[index]
         found = {}
-        for entry in engine.steps[index].entries:
+        for entry in model.steps[index].entries:
             if not entry.store.buffer.layout.whole_tensors:
                 continue  # flat pieces: element-wise state only (see [Note: the element-wise probe])
             state = optimizer.state.get(entry.param) or {}
             shape = entry.param.shape
             keys = sorted(k for k, v in state.items() if not is_scalar_state(v) and not param_shaped(v, shape))
             if keys:
-                found[engine.names[entry.param]] = keys
+                found[model.names[entry.param]] = keys
         return found
 
     def load_optimizer_shard_state(
         self, index: int, hyperparameters: list[dict[str, Any]], states: Mapping[str, dict[str, Any]]
     ) -> None:
         """Set optimizer ``index``'s hyper-parameters and its state by parameter name (this rank's pieces)."""
-        engine = self._engine
-        optimizer = engine.optimizers[index]
+        model = self._model
+        optimizer = model.optimizers[index]
         for group, hyper in zip(optimizer.param_groups, hyperparameters, strict=True):
             group.update(hyper)
         optimizer.state.clear()
-        by_name = {engine.names[p]: p for g in optimizer.param_groups for p in g["params"]}
-        whole = {id(e.param) for e in engine.steps[index].entries if e.store.buffer.layout.whole_tensors}
+        by_name = {model.names[p]: p for g in optimizer.param_groups for p in g["params"]}
+        whole = {id(e.param) for e in model.steps[index].entries if e.store.buffer.layout.whole_tensors}
         for name, state in states.items():
             param = by_name[name]
             if id(param) in whole:  # the owner steps the parameter in its own shape (see [Note: owner layout])
                 state = {k: v.view(param.shape) if param_shaped(v, param.shape) else v for k, v in state.items()}
             optimizer.state[param] = state
-        engine.absorb_optimizer_state(optimizer)
+        model.absorb_optimizer_state(optimizer)
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         """The full shape of parameter ``name``."""
-        return next(tuple(p.shape) for p, n in self._engine.names.items() if n == name)
+        return next(tuple(p.shape) for p, n in self._model.names.items() if n == name)
 
     def owned_range(self, name: str) -> tuple[int, int] | None:
         """This rank's ``[start, end)`` of parameter ``name``; ``None`` when no flat buffer holds it."""
@@ -216,19 +217,18 @@ class NamedState:
         return None
 
 
-def full_optimizer_state_dict(engine: ZeroEngine, optimizer: Optimizer) -> dict[str, Any]:
+def full_optimizer_state_dict(model: ShardedModel, optimizer: Optimizer) -> dict[str, Any]:
     """The state dict ``optimizer`` would have without sharding (collective; every rank gets it)."""
-    entries = {id(e.param): e for e in engine.step_of(optimizer).entries}
-    held = engine.optimizer_state(optimizer)
+    entries = {id(e.param): e for e in model.step_of(optimizer).entries}
+    held = model.optimizer_state(optimizer)
     full: dict[int, dict[str, Any]] = {}
-    for buffer in engine.buffers:
-        if id(buffer) not in engine.stores:
-            continue
+    for group in model.trained:
+        buffer = group.buffer
         mine = {
             entries[id(p)].slot: p for p in buffer.params if id(p) in entries and entries[id(p)].store.buffer is buffer
         }
         states = [held.get(id(mine[slot]), {}) if slot in mine else {} for slot in range(len(buffer.params))]
-        for slot, state in enumerate(gather_param_states(buffer, states, engine.comm)):
+        for slot, state in enumerate(gather_param_states(buffer, states, model.comm)):
             if state and slot in mine:
                 full[id(mine[slot])] = state
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -240,11 +240,11 @@ def full_optimizer_state_dict(engine: ZeroEngine, optimizer: Optimizer) -> dict[
         {**{k: v for k, v in group.items() if k != "params"}, "params": [index[id(p)] for p in group["params"]]}
         for group in optimizer.param_groups
     ]
-    names = [[engine.names[p] for p in group["params"]] for group in optimizer.param_groups]
+    names = [[model.names[p] for p in group["params"]] for group in optimizer.param_groups]
     return {"state": {index[pid]: state for pid, state in full.items()}, "param_groups": groups, PARAM_NAMES_KEY: names}
 
 
-def load_full_optimizer_state_dict(engine: ZeroEngine, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+def load_full_optimizer_state_dict(model: ShardedModel, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
     """Load an ordinary (unsharded) optimizer state dict into ``optimizer``'s shards."""
     saved_groups = state_dict["param_groups"]
     sizes = [len(g["params"]) for g in optimizer.param_groups]
@@ -257,7 +257,7 @@ def load_full_optimizer_state_dict(engine: ZeroEngine, optimizer: Optimizer, sta
     for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
         group.update({k: v for k, v in saved.items() if k != "params"})
     optimizer.state.clear()
-    entries = {id(e.param): e for e in engine.step_of(optimizer).entries}
+    entries = {id(e.param): e for e in model.step_of(optimizer).entries}
     for key, state in state_dict["state"].items():
         param = params[int(key)]
         entry = entries.get(id(param))
@@ -267,29 +267,30 @@ def load_full_optimizer_state_dict(engine: ZeroEngine, optimizer: Optimizer, sta
         buffer = entry.store.buffer
         shape = buffer.layout.slots[entry.slot].shape
         whole = buffer.layout.whole_tensors
-        sliced = shard_param_state(state, buffer.pieces[entry.slot], shape, engine.names[param], whole)
+        sliced = shard_param_state(state, buffer.pieces[entry.slot], shape, model.names[param], whole)
         if whole and not sliced:
             continue  # another rank owns the parameter whole, and its state
         home = entry.store.step_view(entry.slot).device if not entry.store.offloaded else torch.device("cpu")
         optimizer.state[param] = {k: _to(v, home) for k, v in sliced.items()}
-    engine.absorb_optimizer_state(optimizer)
+    model.absorb_optimizer_state(optimizer)
 
 
-def full_state_dict(engine: ZeroEngine, keep: bool) -> dict[str, Tensor]:
+def full_state_dict(model: ShardedModel, keep: bool) -> dict[str, Tensor]:
     """The module's ``state_dict`` with full tensors, gathered one buffer at a time (collective).
 
     Parameters with a master copy get its values (fp32), so the result resumes a mixed-precision run exactly. Only
     ranks with ``keep`` (e.g. the one that writes the file) collect the tensors; the others get ``{}``.
     """
     collected: dict[int, Tensor] = {}
-    for buffer in engine.buffers:
-        full = buffer.full_values(engine.best_values(buffer), engine.comm)
+    for group in model.groups:
+        buffer = group.buffer
+        full = buffer.full_values(group.best_values(), model.comm)
         if keep:
             collected.update((id(p), v.clone()) for p, v in zip(buffer.params, buffer.param_views(full), strict=True))
         del full
     if not keep:
         return {}
-    state = engine.module.state_dict(keep_vars=True)
+    state = model.module.state_dict(keep_vars=True)
     with engine_access():
         return {
             key: collected[id(value)] if id(value) in collected else value.detach().clone()
@@ -297,13 +298,13 @@ def full_state_dict(engine: ZeroEngine, keep: bool) -> dict[str, Tensor]:
         }
 
 
-def load_masters(engine: ZeroEngine, state_dict: Mapping[str, Tensor]) -> None:
+def load_masters(model: ShardedModel, state_dict: Mapping[str, Tensor]) -> None:
     """Give the masters the saved values themselves, not their 16-bit rounding (after ``load_state_dict``)."""
     with torch.no_grad():
-        for tensor in NamedState(engine).tensors():
+        for tensor in NamedState(model).tensors():
             saved = state_dict.get(tensor.name)
             if saved is not None and tensor.end > tensor.start:
-                store = engine.stores.get(id(tensor._buffer))
+                store = tensor._group.store
                 if isinstance(store, MasterStore) or (store is not None and store.paged):
                     store.load_owned(tensor._slot, saved.detach().reshape(-1)[tensor.start : tensor.end])
 
@@ -314,16 +315,16 @@ def _to(value: object, device: torch.device) -> object:
 
 
 def restore_added_param_groups(
-    engine: ZeroEngine, optimizers: Sequence[Optimizer], saved: Sequence[tuple[list[list[str]] | None, list[dict]]]
+    model: ShardedModel, optimizers: Sequence[Optimizer], saved: Sequence[tuple[list[list[str]] | None, list[dict]]]
 ) -> bool:
     """Give each optimizer the param groups a checkpoint has beyond its own: groups added after setup by
     ``add_param_group`` or ``BaseFinetuning``, which on resume rebuilds them before the checkpoint is read.
     ``saved`` holds per optimizer the names of each group's parameters (``None`` where unknown) and its
-    hyper-parameters. Returns whether any group was added (then ``engine.begin_iteration()`` shards them)."""
-    by_name = {name: param for param, name in engine.names.items()}
+    hyper-parameters. Returns whether any group was added (then the engine's ``begin_iteration()`` shards them)."""
+    by_name = {name: param for param, name in model.names.items()}
     added = False
     for optimizer, (names, hyper) in zip(optimizers, saved, strict=True):
-        current = [[engine.names[p] for p in group["params"]] for group in optimizer.param_groups]
+        current = [[model.names[p] for p in group["params"]] for group in optimizer.param_groups]
         if names is None or len(names) <= len(current) or names[: len(current)] != current:
             continue
         for group_names, group_hyper in zip(names[len(current) :], hyper[len(current) :], strict=True):

@@ -25,11 +25,12 @@ from lightning_zero.core.layout.pieces import plan_buckets
 from lightning_zero.core.layout.resting import RestingParameter, engine_access
 from lightning_zero.core.mixed_precision import PrecisionPolicy
 from lightning_zero.core.options import WrapPolicy
+from lightning_zero.core.shards import BufferGroup
 from lightning_zero.core.stage3.units import GatherUnit, assign_params, initialise, materialize_buffers, select_units
+from lightning_zero.core.step.buckets import GradBucket
+from lightning_zero.core.step.shard_bucket import ShardGradBucket
 from lightning_zero.core.store.offload import Offload
 from lightning_zero.core.store.stores import InPlaceStore, MasterStore, ShardStore
-
-Packed = tuple[FlatParamBuffer, ShardStore | None]  # a buffer and its store (None: frozen, stage 3 only)
 
 
 class Packer:
@@ -42,7 +43,8 @@ class Packer:
         device: where sharded tensors live.
         policy: the dtypes held.
         bucket_cap_bytes: the size of a stage-1/2 bucket.
-        offload: where offloaded states live (``None``: everything on ``device``).
+        bucket_type: the gradient bucket of a trained buffer (replicated gradients at stage 1, shards after).
+        offload: where offloaded states live (its do-nothing form: everything on ``device``).
         owners: whole-tensor owners of the trained tensors (``partition="parameter"``; ``None``: flat shards).
     """
 
@@ -54,7 +56,8 @@ class Packer:
         device: torch.device,
         policy: PrecisionPolicy,
         bucket_cap_bytes: int,
-        offload: Offload | None = None,
+        bucket_type: type[GradBucket],
+        offload: Offload,
         owners: OwnerPlan | None = None,
     ) -> None:
         self.module = module
@@ -64,6 +67,7 @@ class Packer:
         self.device = device
         self.policy = policy
         self.bucket_cap_bytes = bucket_cap_bytes
+        self.bucket_type = bucket_type
         self.offload = offload
         # Batch norm keeps fp32 parameters next to its fp32 statistics in 16-bit runs (see norm_params).
         self.keep_dtype = norm_params(module) if policy.param_dtype is not None else set()
@@ -72,7 +76,7 @@ class Packer:
         """The store of a trainable buffer; call while the buffer holds its full values (it may cast them)."""
         kept = buffer.params[0] in self.keep_dtype or not buffer.data.dtype.is_floating_point
         floating = buffer.data.dtype.is_floating_point
-        if optimized and floating and self.offload is not None:
+        if optimized and floating:
             master_dtype = torch.promote_types(buffer.data.dtype, self.policy.master_dtype or torch.float32)
             offloaded = self.offload.store(buffer, master_dtype)
             if offloaded is not None:
@@ -85,7 +89,21 @@ class Packer:
             return store
         return InPlaceStore(buffer)
 
-    def replicated(self, groups: Sequence[Sequence[nn.Parameter]]) -> list[Packed]:
+    def group(self, buffer: FlatParamBuffer, store: ShardStore | None, unit: GatherUnit | None = None) -> BufferGroup:
+        """``buffer``'s record: with a store (trained), also its gradient bucket (see [Note: buffer groups])."""
+        if store is None:
+            return BufferGroup(buffer, unit=unit)
+        widened = self.policy.param_dtype is not None and buffer.data.dtype == self.policy.param_dtype
+        reduce_dtype = self.policy.reduce_dtype if isinstance(store, MasterStore) or widened else None
+        resting = self.offload.gradient_resting() if store.paged else None
+        bucket = (
+            ShardGradBucket(buffer, self.comm, reduce_dtype, resting)
+            if resting
+            else self.bucket_type(buffer, self.comm, reduce_dtype)
+        )
+        return BufferGroup(buffer, store, bucket, unit)
+
+    def replicated(self, groups: Sequence[Sequence[nn.Parameter]]) -> list[BufferGroup]:
         """Stages 1, 2: buckets of ``groups`` (trainable parameters per param group), in launch order."""
         order = {p: i for i, p in enumerate(reversed(list(self.names)))}
         planned: list[list[nn.Parameter]] = []
@@ -94,13 +112,13 @@ class Packer:
                 cap = max(1, self.bucket_cap_bytes // same[0].element_size())
                 planned.extend([same[i] for i in indices] for indices in plan_buckets([p.numel() for p in same], cap))
         planned.sort(key=lambda members: order[members[0]])
-        packed: list[Packed] = []
+        packed: list[BufferGroup] = []
         for members in planned:
             buffer = ReplicatedBuffer(members, self.comm.rank, self.comm.world_size, owners=self._owners(members))
-            packed.append((buffer, self.store_for(buffer, optimized=True)))
+            packed.append(self.group(buffer, self.store_for(buffer, optimized=True)))
         return packed
 
-    def units(self, wrap_policy: WrapPolicy, optimized: set[int]) -> tuple[list[GatherUnit], list[Packed]]:
+    def units(self, wrap_policy: WrapPolicy, optimized: set[int]) -> tuple[list[GatherUnit], list[BufferGroup]]:
         """Stage 3: every unit (the root last), each created, initialised and sharded in turn; its buffers in
         launch order (backward meets the last units first)."""
         unit_modules = select_units(self.module, wrap_policy)
@@ -108,16 +126,17 @@ class Packer:
         materialize_buffers(self.module, self.device)
         module_names = {module: name for name, module in self.module.named_modules()}
         units: list[GatherUnit] = []
-        packed: list[Packed] = []
+        packed: list[BufferGroup] = []
         for unit_module in [*unit_modules, self.module]:
             params = assigned[unit_module]
             on_meta = [p for p in params if p.is_meta]
             buffers = self._sharded(params)
             initialise(self.module, on_meta)
-            unit_packed = [(buffer, self._commit(buffer, optimized)) for buffer in buffers]
+            stores = [self._commit(buffer, optimized) for buffer in buffers]
             name = module_names.get(unit_module) or "<root>"
-            units.append(GatherUnit(unit_module, name, buffers, is_root=unit_module is self.module))
-            packed.extend(unit_packed)
+            unit = GatherUnit(unit_module, name, buffers, is_root=unit_module is self.module)
+            units.append(unit)
+            packed.extend(self.group(buffer, store, unit) for buffer, store in zip(buffers, stores, strict=True))
         with torch.no_grad():
             for tensor in self.module.buffers():
                 self.comm.broadcast(tensor, src=0)
@@ -128,7 +147,7 @@ class Packer:
         roots = len(units[-1].buffers)
         return units, [*reversed(packed[: len(packed) - roots]), *packed[len(packed) - roots :]]
 
-    def split_frozen(self, unit: GatherUnit, buffer: ShardedBuffer, optimized: set[int]) -> list[Packed]:
+    def split_frozen(self, unit: GatherUnit, buffer: ShardedBuffer, optimized: set[int]) -> list[BufferGroup]:
         """Stage 3: a frozen buffer of a gathered ``unit`` whose parameters became trainable, split by
         ``requires_grad`` into new buffers that replace it in the unit (see [Note: changes after setup])."""
         with engine_access():
@@ -138,14 +157,10 @@ class Packer:
         index = unit.buffers.index(buffer)
         unit.buffers[index : index + 1] = new
         unit.holds_frozen = any(not p.requires_grad for b in unit.buffers for p in b.params)
-        return [(piece, self._commit(piece, optimized)) for piece in new]
+        return [self.group(piece, self._commit(piece, optimized), unit) for piece in new]
 
     def _owners(self, params: Sequence[nn.Parameter]) -> list[int] | None:
         return self.owners.owners_of(params) if self.owners is not None else None
-
-    @property
-    def shard_home(self) -> torch.device | None:
-        return self.offload.shard_home if self.offload is not None else None
 
     def _sharded(self, params: Sequence[nn.Parameter]) -> list[ShardedBuffer]:
         return [
@@ -154,8 +169,8 @@ class Packer:
                 self.comm.rank,
                 self.comm.world_size,
                 device=self.device,
-                shard_home=self.shard_home,
-                resting=self.offload.resting() if self.offload is not None else None,
+                shard_home=self.offload.shard_home,
+                resting=self.offload.resting(),
                 owners=self._owners(same) if flag else None,  # frozen tensors: flat (no optimizer steps them)
             )
             for flag in (True, False)

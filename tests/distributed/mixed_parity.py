@@ -120,16 +120,16 @@ def train_zero(
     for step in range(STEPS):
         optimizer.zero_grad()
         for micro, (tokens, targets) in _micro_batches(step, comm.rank, case):
-            context = engine.no_sync() if micro < case.accumulate - 1 else nullcontext()
+            context = engine.backward.no_sync() if micro < case.accumulate - 1 else nullcontext()
             with context:
                 with _autocast(dtype):
                     loss = loss_fn(model, tokens, targets)
                 _scaled(loss, case, scale).backward()
-        finite = engine.prepare_step(optimizer, scale)
+        finite = engine.step_of(optimizer, scale).prepare()
         assert finite
         clip_with_engine(engine, optimizer, case)
         optimizer.step()
-    engine.remove_hooks()
+    engine.backward.remove_hooks()
     return engine.full_state_dict(keep=True)
 
 

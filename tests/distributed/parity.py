@@ -184,22 +184,22 @@ def train_zero(model: nn.Module, case: Case, rank: int, stage: int, comm: Commun
             for optimizer in optimizers:
                 optimizer.zero_grad()
         for micro, (tokens, targets) in _micro_batches(step, rank, case):
-            context = engine.no_sync() if micro < case.accumulate - 1 else nullcontext()
+            context = engine.backward.no_sync() if micro < case.accumulate - 1 else nullcontext()
             with context:
                 (loss_fn(model, tokens, targets) / case.accumulate).backward()
         for optimizer in optimizers:
             clip_with_engine(engine, optimizer, case)
             optimizer.step()
-    engine.remove_hooks()
+    engine.backward.remove_hooks()
     return engine
 
 
 def clip_with_engine(engine: ZeroEngine, optimizer: Optimizer, case: Case) -> None:
     """The case's clipping (by norm, by value, or none) through the engine, on the shards."""
     if case.clip_norm is not None:
-        engine.clip_grad_norm_(optimizer, case.clip_norm)
+        engine.step_of(optimizer).clip_grad_norm_(case.clip_norm)
     if case.clip_value is not None:
-        engine.clip_grad_value_(optimizer, case.clip_value)
+        engine.step_of(optimizer).clip_grad_value_(case.clip_value)
 
 
 def train_reordered(model: nn.Module, case: Case, world_size: int) -> nn.Module:

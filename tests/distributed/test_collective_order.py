@@ -174,7 +174,7 @@ def _record(rank: int, world_size: int, cases: list[tuple[int, str, str, str]], 
         for step in range(3):
             engine.begin_iteration()
             optimizer.zero_grad()
-            engine.unshard_root()
+            engine.model.scheduler.unshard_root()
             x = torch.randn(4, 9, generator=torch.Generator().manual_seed(10 * step + rank))
             out, first = model(x.to(policy.param_dtype) if policy else x)
             loss = out.float().pow(2).mean()
@@ -184,9 +184,9 @@ def _record(rank: int, world_size: int, cases: list[tuple[int, str, str, str]], 
                 loss = 0 * out.detach().float().requires_grad_().sum()  # reaches no parameter
             engine.scale_loss(loss).backward()
             engine.finish_backward()
-            engine.clip_grad_norm_(optimizer, 1.0)
+            engine.step_of(optimizer).clip_grad_norm_(1.0)
             optimizer.step()
-            engine.reshard_all()
+            engine.model.scheduler.reshard_all()
         engine.release()
         results[f"{stage}/{partition}/{offload}/{precision}"] = {
             "events": recorder.events,

@@ -61,12 +61,12 @@ def _run(rank: int, world_size: int, case: str, prefetch: bool) -> dict[str, Any
             engine.scale_loss(loss).backward()
             engine.finish_backward()
             optimizer.step()
-            engine.reshard_all()
+            engine.model.scheduler.reshard_all()
             steps += 1
     except Exception as error:  # the type and message are what the test checks
         return {"error": f"{type(error).__name__}: {error}", "steps": steps}
     agree_bytes = engine.last_step_comm.by_op.get("agree", 0)
-    gathers = engine.scheduler.sequence.count  # the last iteration's unit gathers
+    gathers = engine.model.scheduler.sequence.count  # the last iteration's unit gathers
     return {"error": None, "steps": steps, "agree_bytes": agree_bytes, "gathers": gathers}
 
 
@@ -113,7 +113,7 @@ def _idle_rank(rank: int, world_size: int) -> str:
             engine.scale_loss(loss).backward()
             engine.finish_backward()
         optimizer.step()
-        engine.reshard_all()
+        engine.model.scheduler.reshard_all()
     return "trained"
 
 

@@ -79,7 +79,7 @@ def _measure(rank: int, precision: str, case: tuple[int, Any, Any, str, int]) ->
             loss = model(inputs).float().square().mean()
         engine.scale_loss(loss).backward()
         engine.finish_backward()
-    engine.prepare_step(optimizer)
+    engine.step_of(optimizer).prepare()
     optimizer.step()
     optimizer.zero_grad()
     report = engine.memory_report().as_dict()

@@ -33,17 +33,17 @@ def _one_step(rank: int, stage: int, comm: Communicator, precision: PrecisionPol
         loss = loss_fn(model, tokens, targets)
     loss.backward()
     after_backward = engine.memory_report()
-    engine.prepare_step(optimizer)
+    engine.step_of(optimizer).prepare()
     during_step = engine.memory_report()
     optimizer.step()
     pieces = [p for g in optimizer.param_groups for p in g["params"]]
     elementwise = sum(v.numel() * v.element_size() for p in pieces for v in optimizer.state[p].values() if v.dim() > 0)
-    root = engine.units[-1].buffers if engine.units else []
+    root = engine.model.units[-1].buffers if engine.model.units else []
     return {
         "psi": psi,
-        "padded": sum(b.layout.padded_numel for b in engine.buffers),
+        "padded": sum(b.layout.padded_numel for b in engine.model.buffers),
         "root_padded": sum(b.layout.padded_numel for b in root),
-        "buffers": len(engine.buffers),
+        "buffers": len(engine.model.buffers),
         "at_start": at_start.as_dict(),
         "report": engine.memory_report().as_dict(),
         "after_backward": after_backward.as_dict(),
@@ -158,7 +158,7 @@ def _bucket_counts(rank: int, world_size: int) -> list[int]:
         model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))  # 3 x 4160 params
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         engine = ZeroEngine(model, [optimizer], EngineOptions(stage=2, bucket_cap_mb=cap_mb), Communicator())
-        counts.append(len(engine.buckets))
+        counts.append(len(engine.model.buckets))
     return counts
 
 

@@ -128,8 +128,8 @@ def _second_reducing_backward(stage: int) -> dict[str, Any]:
     model(40000.0).backward()  # averaged: 40000, finite in fp16 (max 65504)
     model(32.0).backward()  # held: 40000 + 32 = 40032, exact in fp16
     held = _piece_grads(engine, optimizer).tolist()
-    finite = engine.prepare_step(optimizer, loss_scale=1.0)
-    engine.skip_step(optimizer)
+    finite = engine.step_of(optimizer, loss_scale=1.0).prepare()
+    engine.step_of(optimizer).skip()
     return {"held": held, "finite": finite}
 
 
@@ -171,9 +171,9 @@ def _overflow_of_another_optimizer(stage: int) -> dict[str, Any]:
     opt_a, opt_b = _sgd([model.a]), _sgd([model.b])
     engine = _engine(model, [opt_a, opt_b], stage, "fp16")
     model(1.0, 1e6).backward()  # b's gradient 1e6 is inf in fp16
-    finite_a = engine.prepare_step(opt_a, loss_scale=1.0)
+    finite_a = engine.step_of(opt_a, loss_scale=1.0).prepare()
     b_step_grads = [engine.step_of(opt_b).state is StepState.PREPARED]
-    engine.skip_step(opt_a)
+    engine.step_of(opt_a).skip()
     return {"finite_a": finite_a, "b_step_grads": b_step_grads}
 
 
@@ -189,7 +189,7 @@ def _direct_write(stage: int, precision: str) -> list[float]:
     with engine.gathered(write_back=True) if stage == 3 else torch.no_grad(), torch.no_grad():
         model.a.clamp_(-1.0, 1.0)
     model(0.0).backward()
-    engine.prepare_step(optimizer)
+    engine.step_of(optimizer).prepare()
     optimizer.step()
     return _masters(engine, "a")  # expected: [0.5, 1.0, -1.0, 1.0]
 
@@ -269,7 +269,7 @@ def _complex(stage: int, precision: str) -> Any:
     optimizer = _sgd(model.parameters(), lr=0.1)
     engine = _engine(model, [optimizer], stage, precision)
     model(torch.ones(4)).backward()
-    engine.prepare_step(optimizer)
+    engine.step_of(optimizer).prepare()
     optimizer.step()
     return engine.full_state_dict(keep=True)["w"]
 
@@ -286,8 +286,8 @@ def _grad_after_clipped_step(precision: str) -> float:
     engine = _engine(model, [optimizer], 2, precision)
     scale = 1024.0 if precision == "fp16" else None
     (model(2.0) * (scale or 1.0)).backward()  # gradient [2, 2, 2, 2]: norm 4
-    engine.prepare_step(optimizer, scale)
-    engine.clip_grad_norm_(optimizer, 1.0)
+    engine.step_of(optimizer, scale).prepare()
+    engine.step_of(optimizer).clip_grad_norm_(1.0)
     optimizer.step()
     # torch keeps the clipped gradient until zero_grad; the held one stays scaled by its backward's loss scale,
     # so that a next backward (same scale) adds to it consistently.
@@ -328,7 +328,7 @@ def _zero_grad_mode(stage: int, set_to_none: bool) -> dict[str, Tensor]:
         with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
             loss = loss_fn(model, *batch(10 * step + engine.comm.rank))
         loss.backward()
-        engine.prepare_step(optimizer)
+        engine.step_of(optimizer).prepare()
         optimizer.step()
     return engine.full_state_dict(keep=True)
 
@@ -348,7 +348,7 @@ def _accumulate_across_steps(stage: int, precision: str) -> list[float]:
     rank = engine.comm.rank
     for xs in ((1.0, 3.0), (0.5, 1.5)):  # averaged over the 2 ranks: 2, then 1
         (model(xs[rank]) * (scale or 1.0)).backward()
-        assert engine.prepare_step(optimizer, scale)
+        assert engine.step_of(optimizer, scale).prepare()
         optimizer.step()
     return _masters(engine, "a")  # 1 - 0.25 * 2 - 0.25 * (2 + 1) = -0.25
 
@@ -395,7 +395,7 @@ def _toggle(rank: int) -> dict[str, Any]:
         piece.requires_grad = False
     model(1.0, 1.0).backward()
     b_grads = [bool(engine.step_of(opt_b).gradients())]
-    engine.prepare_step(opt_a)
+    engine.step_of(opt_a).prepare()
     opt_a.step()
     return {"b_requires_grad": model.b.requires_grad, "b_grads": b_grads, "a": _masters(engine, "a")}
 
@@ -406,7 +406,7 @@ def _train(engine: ZeroEngine, model: nn.Module, optimizer: torch.optim.Optimize
         with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
             loss = loss_fn(model, *batch(10 * step + engine.comm.rank))
         loss.backward()
-        engine.prepare_step(optimizer)
+        engine.step_of(optimizer).prepare()
         optimizer.step()
 
 

@@ -91,20 +91,22 @@ def run_fp32(rank: int, world_size: int) -> dict[str, Any]:
                 engine = train_zero(model, case, rank, stage, comm, **_options(mode, directory))
                 if "nvmeparams" in mode:  # at rest every shard is on disk, none in memory
                     results[f"{name}/stage{stage}/{mode}/resident_shards"] = sum(
-                        b._shard is not None for b in engine.buffers
+                        b._shard is not None for b in engine.model.buffers
                     )
                     report = engine.memory_report()
                     results[f"{name}/stage{stage}/{mode}/gradients"] = {
-                        "resident_shards": sum(b._shard_grad is not None for b in engine.buckets),
+                        "resident_shards": sum(b._shard_grad is not None for b in engine.model.buckets),
                         "report": report.gradients,
-                        "on_disk": sum(b.offloaded_nbytes for b in engine.buckets),
-                        "held": sum(b.buffer.layout.shard_numel * b.buffer.data.element_size() for b in engine.buckets),
+                        "on_disk": sum(b.offloaded_nbytes for b in engine.model.buckets),
+                        "held": sum(
+                            b.buffer.layout.shard_numel * b.buffer.data.element_size() for b in engine.model.buckets
+                        ),
                     }
                 with engine.gathered():
                     results[f"{name}/stage{stage}/{mode}"] = relative_difference(reference, model)
                 states[mode] = _state(engine, model)
                 if name == "plain" and mode == "nvme":
-                    owned = sum(s.numel for s in engine.stores.values() if isinstance(s, DiskStore))
+                    owned = sum(s.numel for s in (g.store for g in engine.model.trained) if isinstance(s, DiskStore))
                     counts = engine.io_counts
                     results[f"io/stage{stage}"] = {
                         "owned": owned,
@@ -224,7 +226,7 @@ def run_io(rank: int, world_size: int, stage: int, params: str | bool = False) -
         model(torch.randn(8, 512, generator=torch.Generator().manual_seed(step + 10 * rank))).square().mean().backward()
         optimizer.step()
     after, counts = _proc_io(), copy.copy(engine.io_counts)
-    owned = sum(s.numel for s in engine.stores.values() if isinstance(s, DiskStore))
+    owned = sum(s.numel for s in (g.store for g in engine.model.trained) if isinstance(s, DiskStore))
     engine.release()
     return {
         "owned": owned,

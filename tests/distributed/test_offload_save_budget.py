@@ -96,7 +96,7 @@ def _saved_storages(rank: int, world_size: int, stage: int) -> dict[str, bool]:
     model(torch.randn(4, 64)).sum().backward()
     optimizer.step()
     saved = collect_rank_state(engine.named_state(), rank)
-    masters = {store.master.untyped_storage().data_ptr() for store in engine.stores.values()}
+    masters = {store.master.untyped_storage().data_ptr() for store in (g.store for g in engine.model.trained)}
     moments = {v.untyped_storage().data_ptr() for s in optimizer.state.values() for v in s.values() if v.dim()}
     state = saved["optimizers"][0]["state"]
     return {

@@ -62,19 +62,19 @@ def _paths(mode: str, directory: str) -> dict[str, Any]:
 
 def _structure(engine: Any) -> dict[str, Any]:
     """What this rank holds: per parameter name its optimizer state shapes, the gradient elements held."""
-    names = engine.names
+    names = engine.model.names
     states = {
         f"{index}/{names[p]}": {k: tuple(v.shape) for k, v in state.items() if v.dim() > 0}
         for index, optimizer in enumerate(engine.optimizers)
         for p, state in optimizer.state.items()
         if state
     }
-    owned = sum(piece.numel for b in engine.buffers if id(b) in engine.stores for piece in b.pieces)
-    whole = [b for b in engine.buffers if b.layout.whole_tensors]
+    owned = sum(piece.numel for b in (g.buffer for g in engine.model.trained) for piece in b.pieces)
+    whole = [b for b in engine.model.buffers if b.layout.whole_tensors]
     return {
         "states": states,
         "owners": {names[p]: owner for b in whole for p, owner in zip(b.params, b.layout.owners, strict=True)},
-        "gradient_elements": sum(bucket.shard_grad.numel() for bucket in engine.buckets),
+        "gradient_elements": sum(bucket.shard_grad.numel() for bucket in engine.model.buckets),
         "owned_elements": owned,
         "report": engine.memory_report().as_dict(),
         "shapes": {name: tuple(p.shape) for p, name in names.items()},
@@ -140,12 +140,12 @@ def _one_step_comm(stage: int, partition: str, rank: int, comm: Communicator) ->
         tokens, targets = batch(seed=10 * step + rank)
         loss_fn(model, tokens, targets).backward()
         optimizer.step()
-    trained = [b for b in engine.buffers if id(b) in engine.stores]
+    trained = [g.buffer for g in engine.model.trained]
     return {
         "by_op": dict(engine.last_step_comm.by_op),
         "psi": sum(p.numel() for p in model.parameters()),
         "padded": sum(b.layout.padded_numel for b in trained),
-        "root_padded": sum(b.layout.padded_numel for b in engine.units[-1].buffers) if engine.units else 0,
+        "root_padded": sum(b.layout.padded_numel for b in engine.model.units[-1].buffers) if engine.model.units else 0,
     }
 
 

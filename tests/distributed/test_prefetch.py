@@ -17,7 +17,7 @@ STEPS = 3
 
 def _in_flight(engine: ZeroEngine) -> int:
     """Units that are gathered or being gathered right now."""
-    return sum(1 for unit in engine.units if unit._pending or unit.state is ShardedState.GATHERED)
+    return sum(1 for unit in engine.model.units if unit._pending or unit.state is ShardedState.GATHERED)
 
 
 def _run(rank: int, overlap: bool) -> dict:

@@ -89,15 +89,15 @@ def _run(rank: int, world_size: int, stages: tuple[int, ...]) -> dict[str, Any]:
                 for step in range(STEPS):  # as the Lightning glue drives the engine
                     engine.begin_iteration()
                     optimizer.zero_grad()
-                    engine.unshard_root()
+                    engine.model.scheduler.unshard_root()
                     engine.scale_loss(_loss(model, step, rank, mode, oracle=False)).backward()
                     engine.finish_backward()
-                    engine.clip_grad_norm_(optimizer, 0.05)
+                    engine.step_of(optimizer).clip_grad_norm_(0.05)
                     optimizer.step()
-                    engine.reshard_all()
+                    engine.model.scheduler.reshard_all()
                 with engine.gathered():
                     results[f"{mode}/stage{stage}/prefetch={prefetch}"] = relative_difference(reference, model)
-                engine.remove_hooks()
+                engine.backward.remove_hooks()
     return results
 
 

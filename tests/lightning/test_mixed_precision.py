@@ -273,13 +273,15 @@ def fit_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         plugin=type(trainer.precision_plugin).__name__,
         param_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
         piece_dtypes=sorted({str(e.store.step_view(e.slot).dtype) for e in engine.step_of(optimizer).entries}),
-        master_dtypes=sorted({str(s.master.dtype) for s in engine.stores.values() if hasattr(s, "master")}),
+        master_dtypes=sorted(
+            {str(s.master.dtype) for s in (g.store for g in engine.model.trained) if hasattr(s, "master")}
+        ),
         masters=engine.full_state_dict(keep=True),
         clipped_norms=model.clipped_norms,
         losses=model.losses,
         dtypes=model.dtypes,
         memory=trainer.strategy.memory_report().as_dict(),
-        padded=sum(b.layout.padded_numel for b in engine.buffers),
+        padded=sum(b.layout.padded_numel for b in engine.model.buffers),
         pieces=len(_pieces(optimizer)),
     )
     return out

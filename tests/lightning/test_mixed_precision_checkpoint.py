@@ -134,7 +134,7 @@ class _Probe(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.start = _snapshot(trainer, pl_module)
         if self.lose_masters:
-            for store in trainer.strategy._engine.stores.values():
+            for store in (g.store for g in trainer.strategy._engine.model.trained):
                 master = getattr(store, "master", None)
                 if master is not None:
                     master.copy_(master.to(store.buffer.shard.dtype))

@@ -1,9 +1,18 @@
 """Whether the trainable parameters or an optimizer's param groups changed since the engine last looked.
 
-See [Note: changes after setup] in core/engine.py. The check runs before every training iteration: a fingerprint
+See [Note: changes after setup] below. The check runs before every training iteration: a fingerprint
 of each optimizer's parameters, and of the ``requires_grad`` of those the engine holds no bucket for (a managed
 parameter frozen and unfrozen, as Lightning's ``toggle_optimizer`` does, changes nothing the engine holds), then
 one 2-byte all-reduce so that every rank takes a change together, or every rank raises.
+
+[Note: changes after setup]
+A parameter frozen when the engine was built holds no gradient bucket. When it becomes trainable and an
+optimizer holds it (``requires_grad_(True)`` on a parameter of a param group, ``add_param_group``, Lightning's
+``BaseFinetuning``), ``begin_iteration`` notices the change (a fingerprint of each optimizer's parameters and
+their ``requires_grad``), agrees on it with the other ranks (one small all-reduce per iteration; ranks that
+disagree raise) and shards those parameters: stages 1 and 2 pack them into new buckets, stage 3 splits the
+frozen buffers of their units. Nothing else is touched: the other buffers, gradients and optimizer state stay.
+Plain DDP never reduces a parameter that was frozen when it wrapped the model.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch.optim import Optimizer
 
-from lightning_zero.core.comm import Communicator
+from lightning_zero.core.comm.communicator import Communicator
 
 
 class ChangeWatch:

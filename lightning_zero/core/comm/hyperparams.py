@@ -25,7 +25,7 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.core.comm import Communicator
+from lightning_zero.core.comm.communicator import Communicator
 
 _NOT_HYPERPARAMETERS = ("params", "param_names")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_zero.core.comm import Communicator
+from lightning_zero.core.comm.communicator import CommStats, Communicator
 
 
 @dataclass(frozen=True)
@@ -32,3 +32,10 @@ class Topology:
         if stage < 3:
             return cls(shard, shard)
         return cls(shard, shard.companion())
+
+    def take_stats(self) -> CommStats:
+        """What every group of the topology sent since the last call (and start counting again)."""
+        stats = self.shard.stats.reset()
+        if self.gather is not self.shard:
+            stats = stats.merged(self.gather.stats.reset())
+        return stats

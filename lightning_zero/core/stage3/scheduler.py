@@ -27,7 +27,7 @@ a time besides the root. A wrong guess costs memory for a while, never correctne
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.stage3.divergence import GatherSequence
 from lightning_zero.core.stage3.units import GatherUnit
+from lightning_zero.core.store.stores import ShardStore
 
 
 class Stage3Scheduler:
@@ -166,8 +167,9 @@ class Stage3Scheduler:
                 self.root.reshard()
 
     @contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Every unit gathered inside the block (collective)."""
+    def gathered(self, write_back: bool = False, stores: Callable[[], Iterable[ShardStore]] = tuple) -> Iterator[None]:
+        """Every unit gathered inside the block (collective). With ``write_back`` changes made to the parameters
+        inside (e.g. ``load_state_dict``) are kept: written into the shards and the ``stores``' copies."""
         for unit in self.units:
             self._start(unit)
         for unit in self.units:
@@ -175,6 +177,14 @@ class Stage3Scheduler:
         try:
             yield
         finally:
+            buffers = [buffer for unit in self.units for buffer in unit.buffers]
+            for buffer in buffers:  # a parameter given new data inside: kept with write_back, else undone
+                buffer.reattach() if write_back else buffer.restore_param_views()
+            if write_back:
+                for unit in self.units:
+                    unit.write_back()
+                for store in stores():
+                    store.sync_from_params()
             for unit in self.units:
                 unit.reshard()
 
@@ -347,3 +357,49 @@ class Stage3Scheduler:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+class NoScheduler:
+    """Stages 1 and 2: every parameter is held in full, so there is nothing to gather or free. The engine talks to
+    it as to a :class:`Stage3Scheduler`, without asking which stage it runs."""
+
+    units: tuple[GatherUnit, ...] = ()
+    pass_running = False
+
+    def abandon_backward(self) -> None:
+        pass
+
+    def begin_iteration(self) -> None:
+        pass
+
+    def register_hooks(self) -> None:
+        pass
+
+    def remove_hooks(self) -> None:
+        pass
+
+    def unshard_root(self) -> None:
+        pass
+
+    def reshard_all(self) -> None:
+        pass
+
+    def open_plan(self) -> None:
+        pass
+
+    def finish_backward(self) -> None:
+        pass
+
+    def end_backward(self) -> None:
+        pass
+
+    def gradients_complete(self, unit: GatherUnit) -> None:
+        pass
+
+    @contextmanager
+    def hold_root(self) -> Iterator[None]:
+        yield
+
+    @contextmanager
+    def gathered(self, write_back: bool = False, stores: Callable[[], Iterable[ShardStore]] = tuple) -> Iterator[None]:
+        yield

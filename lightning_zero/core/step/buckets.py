@@ -245,14 +245,26 @@ class GradReducer:
         self._sync = True
         self._next_launch = 0
         self._handles: list[RemovableHandle] = []
+        self._hooked = False
         self.register_hooks()
 
     def register_hooks(self) -> None:
         """Hook every parameter's gradient (again, after :meth:`remove_hooks`)."""
-        if self._handles:
-            return
-        for bucket_index, bucket in enumerate(self.buckets):
-            for slot, param in enumerate(bucket.buffer.params):
+        if not self._hooked:
+            self._hooked = True
+            self._hook(range(len(self.buckets)))
+
+    def add_buckets(self, buckets: Sequence[GradBucket]) -> None:
+        """Buckets of parameters that became trainable after setup join the launch order at its end (see [Note:
+        changes after setup]); their gradients are hooked while the others are."""
+        first = len(self.buckets)
+        self.buckets.extend(buckets)
+        if self._hooked:
+            self._hook(range(first, len(self.buckets)))
+
+    def _hook(self, bucket_indices: range) -> None:
+        for bucket_index in bucket_indices:
+            for slot, param in enumerate(self.buckets[bucket_index].buffer.params):
                 hook = partial(self._on_grad, bucket_index, slot)
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
@@ -260,6 +272,7 @@ class GradReducer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._hooked = False
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -6,6 +6,8 @@ rank's swap file."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.optim import Optimizer
@@ -24,7 +26,8 @@ _FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.opt
 
 
 class Offload:
-    """Where offloaded model states of one engine live.
+    """Where offloaded model states of one engine live; with neither ``optimizer`` nor ``params`` it is the do-nothing
+    form (every store on the device, no swap file), so the engine never asks whether there is an offload.
 
     Args:
         optimizer: ``"cpu"`` or ``"nvme"`` for the master and optimizer state, ``False`` to keep them on the device.
@@ -76,6 +79,12 @@ class Offload:
     def io(self) -> IOCounts:
         """Bytes the swap file read and wrote so far (zero without one)."""
         return self.swap.counts if self.swap is not None else IOCounts()
+
+    @contextmanager
+    def mapped_reads(self) -> Iterator[None]:
+        """Reads of the swap file inside the block are read-only maps of it (a checkpoint save streams them)."""
+        with self.swap.mapped_reads() if self.swap is not None else nullcontext():
+            yield
 
     def close(self) -> None:
         if self.swap is not None:
