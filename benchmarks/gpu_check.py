@@ -36,9 +36,9 @@ Checks, in this order (``--checks`` names):
    ``offload_params="cpu"`` / ``"nvme"`` (stage 3, the optimizer in the same place). Per mode: step time, ratio to
    no offload, the parameters against no offload's, whether the host buffers are pinned (``is_pinned()`` of the
    host masters and parameter shards, and of the swap file's pages), the host RSS growth at setup against the
-   offloaded bytes, the swap file's I/O, from a ``torch.profiler`` trace of one more step whether host<->device
-   copies overlap compute (the share of copy time during which a compute kernel ran, and the streams of each), and
-   a last step clipped at gradient norm 1 (``engine.step_of(optimizer).clip_grad_norm_``; offloaded: the norm of host gradients).
+   offloaded bytes, the swap file's I/O, from a ``torch.profiler`` trace of one more step whether host<->device copies
+   overlap compute (the share of copy time during which a compute kernel ran, and the streams of each), and a last step
+   clipped at gradient norm 1 (``engine.step_of(optimizer).clip_grad_norm_``; offloaded: the norm of host gradients).
 
 Two ranks sharing one GPU measure contention, not scaling, so the timing and memory rows are at world size 1.
 """

@@ -35,9 +35,9 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from lightning_zero.config import OFFLOAD_TARGETS, Offload
 from lightning_zero.core.layout.pieces import assign_owners
 from lightning_zero.core.memory import MemoryReport
+from lightning_zero.core.options import OFFLOAD_TARGETS, PARTITIONS, OffloadTarget, check_choice
 
 STAGES = (0, 1, 2, 3)
 OFFLOADED_MASTER_BYTES = 4  # the fp32 master the offloaded optimizer steps, in every precision
@@ -88,8 +88,8 @@ def estimate_memory(
     world_size: int,
     precision: str = "16-mixed",
     optimizer: str = "adamw",
-    offload_optimizer: Offload = False,
-    offload_params: Offload = False,
+    offload_optimizer: OffloadTarget = False,
+    offload_params: OffloadTarget = False,
     partition: str = "flat",
     accumulate_grad_batches: int = 1,
 ) -> MemoryEstimate:
@@ -134,8 +134,7 @@ def estimate_memory(
             ``offload_optimizer`` at stage 0 or ``offload_params`` below stage 3.
     """
     _check_arguments(model, stage, world_size, precision, optimizer, offload_optimizer, offload_params)
-    if partition not in ("flat", "parameter"):
-        raise ValueError(f"partition={partition!r} is not supported; choose one of ['flat', 'parameter'].")
+    check_choice("partition", partition, PARTITIONS)
     accumulating = accumulate_grad_batches
     if isinstance(accumulating, bool) or not isinstance(accumulating, int) or accumulating < 1:
         raise ValueError(f"accumulate_grad_batches={accumulating!r} is not supported; choose a positive int, e.g. 1.")
@@ -204,13 +203,13 @@ def _check_arguments(
 ) -> None:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-    _check_choice("stage", stage, STAGES)
+    check_choice("stage", stage, STAGES)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is not supported; choose a positive int, e.g. world_size=8.")
-    _check_choice("precision", precision, tuple(PRECISIONS))
-    _check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
-    _check_choice("offload_optimizer", offload_optimizer, OFFLOAD_TARGETS)
-    _check_choice("offload_params", offload_params, OFFLOAD_TARGETS)
+    check_choice("precision", precision, tuple(PRECISIONS))
+    check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
+    check_choice("offload_optimizer", offload_optimizer, OFFLOAD_TARGETS)
+    check_choice("offload_params", offload_params, OFFLOAD_TARGETS)
     if offload_optimizer and stage == 0:
         raise ValueError(
             f"offload_optimizer={offload_optimizer!r} needs stage >= 1, got stage=0 (plain DDP keeps its "
@@ -220,9 +219,3 @@ def _check_arguments(
         raise ValueError(
             f"offload_params={offload_params!r} needs stage=3, got stage={stage}. Use stage=3 or offload_params=False."
         )
-
-
-def _check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
-    # `True == 1`, so compare types too: stage=True must not pass as stage=1.
-    if not any(value == choice and type(value) is type(choice) for choice in allowed):
-        raise ValueError(f"{name}={value!r} is not supported; choose one of {list(allowed)}.")

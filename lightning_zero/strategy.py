@@ -45,12 +45,13 @@ from lightning_zero.checkpoint import (
 )
 from lightning_zero.checkpoint.state import tensor_specs
 from lightning_zero.checkpoint.state_view import saving_changes, saving_state_dict, values_of
-from lightning_zero.config import START_METHODS, Offload, ZeroConfig
+from lightning_zero.config import START_METHODS, ZeroConfig
 from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.layout.resting import RestingParameter, engine_access
 from lightning_zero.core.memory import MemoryReport
 from lightning_zero.core.named_state import PARAM_NAMES_KEY, restore_added_param_groups
+from lightning_zero.core.options import EngineOptions, OffloadTarget
 from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.launcher import ZeroMultiProcessingLauncher, destroy_groups_at_exit, note_exception
 from lightning_zero.precision import ZeroPrecision, unwrap_optimizer
@@ -93,8 +94,8 @@ class ZeroStrategy(ParallelStrategy):
     def __init__(
         self,
         stage: int = 2,
-        offload_optimizer: Offload = False,
-        offload_params: Offload = False,
+        offload_optimizer: OffloadTarget = False,
+        offload_params: OffloadTarget = False,
         nvme_path: str | None = None,
         partition: Literal["flat", "parameter"] = "flat",
         bucket_cap_mb: float = 25,
@@ -114,15 +115,17 @@ class ZeroStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         self.config = ZeroConfig(
-            stage=stage,
-            offload_optimizer=offload_optimizer,
-            offload_params=offload_params,
-            nvme_path=nvme_path,
-            partition=partition,
-            bucket_cap_mb=bucket_cap_mb,
-            overlap_comm=overlap_comm,
+            EngineOptions(
+                stage=stage,
+                bucket_cap_mb=bucket_cap_mb,
+                overlap_comm=overlap_comm,
+                wrap_policy=wrap_policy,
+                offload_optimizer=offload_optimizer,
+                offload_params=offload_params,
+                nvme_path=nvme_path,
+                partition=partition,
+            ),
             shard_size=shard_size,
-            wrap_policy=wrap_policy,
             activation_checkpointing=activation_checkpointing,
             state_dict_type=state_dict_type,
             process_group_backend=process_group_backend,
@@ -262,17 +265,17 @@ class ZeroStrategy(ParallelStrategy):
         parameters of a model built in ``configure_model``)."""
         assert self.model is not None
         assert self._comm is not None
-        if not (fitting or self.config.stage == 3):
+        if not (fitting or self.config.engine.stage == 3):
             ZeroEngine.broadcast_module_states(self.model, self._comm)
             return
         optimizers = (
             [unwrap_optimizer(o) for o in self.optimizers if not isinstance(o, _MockOptimizer)] if fitting else []
         )
-        engine_keys = set(self.config.engine_options().describe())
+        engine_keys = set(self.config.engine.describe())
         self._engine = ZeroEngine(
             self.model,
             optimizers,
-            self.config.engine_options(),
+            self.config.engine,
             self._comm,
             device=self.root_device,
             precision=self.precision_plugin.policy(),
@@ -302,7 +305,7 @@ class ZeroStrategy(ParallelStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Stage 3: modules created in ``configure_model`` go to the meta device; the engine then creates, initialises
         (``reset_parameters()``) and shards them one gather unit at a time, so no rank ever holds the full model."""
-        if self.config.stage != 3:
+        if self.config.engine.stage != 3:
             yield
             return
         with torch.device("meta"):
@@ -565,7 +568,7 @@ class ZeroStrategy(ParallelStrategy):
             __version__,
             self.precision_plugin.precision,
             with_optimizers,
-            partition=self.config.partition,
+            partition=self.config.engine.partition,
         )
 
     def _refuse_changed_state_dict(self, state_dict: Any) -> None:

@@ -1,20 +1,26 @@
 """EngineOptions: what the sharding core needs to know of the user's choices, and nothing Lightning-side.
 
-``lightning_zero.config.ZeroConfig`` checks every option once and builds these; the core never sees the options
-that only the glue uses (``state_dict_type``, ``timeout``, the launcher's).
+Each of these options is declared and checked here, once: ``lightning_zero.config.ZeroConfig`` (the Lightning
+side) holds an ``EngineOptions`` next to the options that only the glue uses (``state_dict_type``, ``timeout``,
+the launcher's), so the core never sees those. The errors name the option, the value and a fix, and read the same
+to a ``ZeroStrategy`` user and to a caller of the core.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
 WrapPolicy = set[type[nn.Module]] | Callable[[nn.Module], bool] | None
+OffloadTarget = Literal[False, "cpu", "nvme"]
 
 STAGES = (1, 2, 3)
+OFFLOAD_TARGETS = (False, "cpu", "nvme")
 PARTITIONS = ("flat", "parameter")
 # Tensor sizes are int64 byte counts: a bucket larger than that cannot exist (and inf would not convert to one).
 MAX_BUCKET_CAP_MB = (2**63 - 1) // 2**20
@@ -22,13 +28,14 @@ MAX_BUCKET_CAP_MB = (2**63 - 1) // 2**20
 
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
-    """How :class:`~lightning_zero.core.engine.ZeroEngine` shards a module.
+    """How :class:`~lightning_zero.core.engine.ZeroEngine` shards a module; checked at construction.
 
     Attributes:
         stage: 1 shards optimizer state; 2 also gradients; 3 also parameters.
         bucket_cap_mb: size of the gradient buckets (stages 1 and 2).
         overlap_comm: reduce buckets while backward still runs; at stage 3 also prefetch the next unit.
-        wrap_policy: stage-3 gather units (module classes or a ``callable(module) -> bool``; ``None``: default).
+        wrap_policy: stage-3 gather units (module classes, their import paths, or a ``callable(module) -> bool``;
+            ``None``: default); import paths are replaced by the classes.
         offload_optimizer: ``"cpu"`` or ``"nvme"``: the fp32 master and optimizer state live (and step) off the
             device; ``False``: on it.
         offload_params: ``"cpu"`` / ``"nvme"``: stage-3 parameter shards rest in host memory / the swap file
@@ -42,37 +49,47 @@ class EngineOptions:
     bucket_cap_mb: float = 25
     overlap_comm: bool = True
     wrap_policy: Any = None
-    offload_optimizer: str | bool = False
-    offload_params: str | bool = False
+    offload_optimizer: OffloadTarget = False
+    offload_params: OffloadTarget = False
     nvme_path: str | None = None
     partition: str = "flat"
 
     def __post_init__(self) -> None:
-        if self.stage not in STAGES or isinstance(self.stage, bool):
-            raise ValueError(f"stage={self.stage!r} is not supported; choose one of {list(STAGES)}.")
-        check_bucket_cap_mb(self.bucket_cap_mb)
+        check_choice("stage", self.stage, STAGES, "stage=2")
         self._check_offload()
-        if self.partition not in PARTITIONS:
-            raise ValueError(f"partition={self.partition!r}: choose one of {list(PARTITIONS)}.")
+        check_choice("partition", self.partition, PARTITIONS, "partition='flat'")
+        check_bucket_cap_mb(self.bucket_cap_mb)
+        check_bool("overlap_comm", self.overlap_comm)
+        object.__setattr__(self, "wrap_policy", resolve_policy("wrap_policy", self.wrap_policy))
 
     def _check_offload(self) -> None:
-        if self.offload_optimizer not in (False, "cpu", "nvme"):
-            raise ValueError(f"offload_optimizer={self.offload_optimizer!r}: choose False, 'cpu' or 'nvme'.")
-        if self.offload_params not in (False, "cpu", "nvme"):
-            raise ValueError(f"offload_params={self.offload_params!r}: choose False, 'cpu' or 'nvme'.")
-        if self.offload_params and not self.offload_optimizer:
-            raise ValueError("offload_params needs offload_optimizer='cpu' or 'nvme': the optimizer steps there.")
+        check_choice("offload_optimizer", self.offload_optimizer, OFFLOAD_TARGETS, "offload_optimizer='cpu'")
+        check_choice("offload_params", self.offload_params, OFFLOAD_TARGETS, "offload_params='cpu'")
         if self.offload_params and self.stage != 3:
-            raise ValueError(f"offload_params={self.offload_params!r} needs stage=3, got stage={self.stage}.")
+            raise ValueError(
+                f"offload_params={self.offload_params!r} needs stage=3, got stage={self.stage}. "
+                "Use stage=3 or offload_params=False."
+            )
+        if self.offload_params and not self.offload_optimizer:
+            raise ValueError(
+                f"offload_params={self.offload_params!r} needs offload_optimizer='cpu' or 'nvme': the optimizer steps "
+                "the shards where they rest. Pass offload_optimizer='cpu' too (as \"zero_3_offload\" does)."
+            )
+        if self.nvme_path is not None and not isinstance(self.nvme_path, str | os.PathLike):
+            raise ValueError(f"nvme_path must be a directory path (a str), got {self.nvme_path!r}.")
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
-            raise ValueError("offload to 'nvme' needs nvme_path, a directory on a fast local disk.")
+            raise ValueError(
+                f"offload to 'nvme' needs nvme_path, got nvme_path={self.nvme_path!r}. "
+                "Pass nvme_path='/path/to/fast/disk'."
+            )
 
     @property
     def bucket_cap_bytes(self) -> int:
         return int(self.bucket_cap_mb * 1024 * 1024)
 
     def describe(self) -> dict[str, Any]:
-        """Plain values every rank must agree on (for :meth:`Communicator.agree`)."""
+        """Plain values every rank must agree on (for :meth:`Communicator.agree`); not ``nvme_path``, which may
+        differ between ranks."""
         return {
             "stage": self.stage,
             "bucket_cap_mb": self.bucket_cap_mb,
@@ -82,6 +99,20 @@ class EngineOptions:
             "offload_params": self.offload_params,
             "partition": self.partition,
         }
+
+
+def check_choice(name: str, value: Any, allowed: tuple[Any, ...], example: str | None = None) -> None:
+    """Raise a ``ValueError`` naming ``name`` (and ``example``, a valid setting) unless ``value`` is one of
+    ``allowed``, of the same type: ``True == 1``, so ``stage=True`` must not pass as ``stage=1``."""
+    if not any(value == choice and type(value) is type(choice) for choice in allowed):
+        fix = f", e.g. {example}" if example else ""
+        raise ValueError(f"{name}={value!r} is not supported; choose one of {list(allowed)}{fix}.")
+
+
+def check_bool(name: str, value: Any) -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``value`` is ``True`` or ``False`` (not ``0`` or ``"yes"``)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}.")
 
 
 def check_bucket_cap_mb(value: Any) -> None:
@@ -114,3 +145,34 @@ def describe_policy(policy: Any) -> Any:
 
 def _qualified_name(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def resolve_policy(name: str, policy: Any) -> Any:
+    """A module-class policy with import paths (``"my_pkg.model.Block"``, as YAML configs give them) replaced by
+    the classes; ``None`` and callables pass through. Anything else raises a ``ValueError`` naming the option."""
+    if policy is None or (callable(policy) and not isinstance(policy, str)):
+        return policy
+    items = [policy] if isinstance(policy, str) else policy
+    if not isinstance(items, set | frozenset | list | tuple):
+        raise ValueError(
+            f"{name}={policy!r} is not supported: pass a set of nn.Module classes (or their import paths, e.g. "
+            f"['my_package.model.Block'] in YAML), or a callable(module) -> bool."
+        )
+    classes = [_import_class(name, item) if isinstance(item, str) else item for item in items]
+    wrong = [item for item in classes if not isinstance(item, type)]
+    if wrong:
+        raise ValueError(f"{name} must hold nn.Module classes, got {wrong[0]!r}; e.g. {name}={{Block}}.")
+    return set(classes)
+
+
+def _import_class(name: str, path: str) -> type:
+    module_name, _, class_name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), class_name) if module_name else None
+    except (ImportError, AttributeError):
+        found = None
+    if not isinstance(found, type):
+        raise ValueError(
+            f"{name}: cannot import the class {path!r}; give its full import path, e.g. 'my_package.model.Block'."
+        )
+    return found

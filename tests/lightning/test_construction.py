@@ -28,7 +28,7 @@ def _trainer(**kwargs: object) -> pl.Trainer:
 def test_registry_string_selects_zero_strategy(name: str, stage: int) -> None:
     trainer = _trainer(strategy=name)
     assert type(trainer.strategy) is ZeroStrategy
-    assert trainer.strategy.config.stage == stage
+    assert trainer.strategy.config.engine.stage == stage
     assert trainer.strategy.num_processes == 2
     assert isinstance(trainer.strategy.precision_plugin, lightning_zero.ZeroPrecision)
 
@@ -59,8 +59,8 @@ def test_lightning_cli_yaml_class_path_builds_zero_strategy(tmp_path: Path) -> N
     )
     strategy = cli.trainer.strategy
     assert type(strategy) is ZeroStrategy
-    assert strategy.config.stage == 1
-    assert strategy.config.bucket_cap_mb == 3
+    assert strategy.config.engine.stage == 1
+    assert strategy.config.engine.bucket_cap_mb == 3
     assert strategy.config.state_dict_type == "full"
     assert cli.model.a.out_features == 9
 
@@ -68,7 +68,7 @@ def test_lightning_cli_yaml_class_path_builds_zero_strategy(tmp_path: Path) -> N
 def test_lightning_cli_yaml_registry_string(tmp_path: Path) -> None:
     cli = _cli(tmp_path, " zero_2")
     assert type(cli.trainer.strategy) is ZeroStrategy
-    assert cli.trainer.strategy.config.stage == 2
+    assert cli.trainer.strategy.config.engine.stage == 2
 
 
 def test_lightning_cli_rejects_an_invalid_option(tmp_path: Path) -> None:
@@ -144,7 +144,7 @@ def test_precision_options_are_checked() -> None:
 
 @pytest.mark.parametrize(("name", "stage", "params"), [("zero_2_offload", 2, False), ("zero_3_offload", 3, "cpu")])
 def test_offload_registry_strings_select_the_optimizer_on_the_cpu(name: str, stage: int, params: object) -> None:
-    config = _trainer(strategy=name).strategy.config
+    config = _trainer(strategy=name).strategy.config.engine
     assert (config.stage, config.offload_optimizer, config.offload_params) == (stage, "cpu", params)
 
 

@@ -38,7 +38,7 @@ def _build(options: dict[str, object]) -> str:
         return "ValueError"
     except NotImplementedError:
         return "NotImplementedError"
-    assert strategy.config.engine_options().bucket_cap_bytes >= 0  # what setup derives from the options exists too
+    assert strategy.config.engine.bucket_cap_bytes >= 0  # what setup derives from the options exists too
     return "ok"
 
 
