@@ -1,36 +1,11 @@
-"""Save and load a directory of per-rank shards; the save is committed by an atomic rename.
-
-Layout of ``path/`` (see docs/checkpoints.md)::
-
-    metadata.json   rank 0: format version, world size, stage, per-tensor shape/dtype/ranges, optimizers
-    lightning.pt    rank 0: the caller's extra state (Lightning's loops, callbacks, schedulers, ...)
-    rank_{r}.pt     rank r: the elements it owns of every tensor and of the optimizer state
-
-[Note: committing a sharded save]
-Every rank writes (and fsyncs) its file into ``path.tmp-<id>``; rank 0 adds metadata.json last. The ranks then
-agree that every file was written (an all-gather of each rank's error, which is also the barrier): if any rank
-failed, the new directory is removed and every rank raises a ``CheckpointError`` naming the ranks and their errors,
-within seconds, and ``path`` is unchanged. Otherwise rank 0 marks the directory complete, moves an old ``path``
-aside, renames the new directory to ``path``, deletes the old one and any leftovers of earlier interrupted saves,
-and the ranks agree once more on that. A crash at any moment leaves a loadable checkpoint: before the rename, the
-old ``path``; between moving it aside and the rename, both copies, and loading ``path`` finds the newest complete
-one (:func:`committed_path`) and says so.
-
-[Note: symbolic links to checkpoints]
-``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` a symbolic link to the newest checkpoint directory. A
-link is never followed to write or delete: a save whose path is a link replaces the link (the checkpoint it
-pointed to stays as it was), and removing a link removes the link only. Reading follows it, as any path.
+"""Read a directory of per-rank shards (see checkpoint/saving.py for its layout and how a save commits):
+verified, at any world size and stage, lazily where it can.
 """
 
 from __future__ import annotations
 
 import copy
-import glob
 import math
-import os
-import shutil
-import uuid
-import warnings
 from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
@@ -41,162 +16,19 @@ from torch import Tensor
 
 from lightning_zero.checkpoint import state as named
 from lightning_zero.checkpoint.metadata import (
-    COMPLETE_FILE,
     FILES_KEY,
     LIGHTNING_FILE,
-    METADATA_FILE,
     CheckpointError,
-    build_metadata,
     check_same_model,
     check_same_optimizers,
     file_digest,
     rank_file,
     read_metadata,
-    write_metadata,
 )
+from lightning_zero.checkpoint.saving import committed_path
 from lightning_zero.checkpoint.state_view import LazyTensor, is_unread
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.named_state import NamedState
-
-
-def save_sharded(
-    state: NamedState,
-    path: str | Path,
-    extra: dict[str, Any],
-    version: str,
-    precision: str = "32-true",
-    optimizers: bool = True,
-    partition: str = "flat",
-) -> None:
-    """Write an engine's shards (optimizer state too with ``optimizers``) and rank 0's ``extra`` to the directory
-    ``path`` (collective). All or nothing, on every rank: see [Note: committing a sharded save]."""
-    comm = state.comm
-    path = Path(path)
-    token = comm.all_gather_object(uuid.uuid4().hex[:12] if comm.rank == 0 else None)[0]
-    tmp = path.with_name(f"{path.name}.tmp-{token}")
-    failure = None
-    digests: dict[str, dict[str, int]] = {}
-    try:
-        tmp.mkdir(parents=True, exist_ok=True)
-        with state.saving():  # offloaded state streamed from the swap file, not copied into memory
-            rank_state = named.collect_rank_state(state, comm.rank, optimizers)
-            mine = {"rank": comm.rank, "world_size": comm.world_size, **rank_state}
-            digests[rank_file(comm.rank)] = _write(tmp / rank_file(comm.rank), mine)
-            del rank_state, mine
-        if comm.rank == 0:
-            digests[LIGHTNING_FILE] = _write(tmp / LIGHTNING_FILE, extra)
-    except Exception as error:  # agreed below, then raised on every rank
-        failure = f"{type(error).__name__}: {error}"
-    outcomes = comm.all_gather_object((failure, digests))  # every rank's file is on disk, or who failed
-    _agree([failure for failure, _ in outcomes], f"writing the sharded checkpoint '{path}'", path, tmp, comm)
-    failure = None
-    if comm.rank == 0:
-        try:
-            metadata = build_metadata(
-                version=version,
-                world_size=comm.world_size,
-                stage=state.stage,
-                partition=partition,
-                precision=precision,
-                tensors=named.tensor_specs(state),
-                state_dict_keys=state.state_dict_keys(),
-                optimizers=state.optimizer_param_names() if optimizers else [],
-                optimizer_states=optimizers,
-                files={name: digest for _, theirs in outcomes for name, digest in theirs.items()},
-            )
-            write_metadata(tmp, metadata)  # last: a directory without it is never taken for a checkpoint
-            _sync(tmp / METADATA_FILE)
-            (tmp / COMPLETE_FILE).touch()  # every rank's shard is on disk: this directory is a checkpoint
-            _sync(tmp)
-            _commit(tmp, path, token)
-            (path / COMPLETE_FILE).unlink()  # only a directory not renamed yet needs to say it is complete
-            _remove_leftovers(path)
-        except Exception as error:
-            failure = f"{type(error).__name__}: {error}"
-    what = f"committing the sharded checkpoint '{path}' (renaming '{tmp.name}')"
-    _agree(comm.all_gather_object(failure), what, path, None, comm)
-
-
-def _write(file: Path, obj: Any) -> dict[str, int]:
-    """``torch.save`` ``obj`` to ``file`` and flush it to the disk; returns its size and CRC-32 (see
-    [Note: checksums of a sharded checkpoint])."""
-    torch.save(obj, file)
-    _sync(file)
-    return file_digest(file)
-
-
-def _agree(failures_by_rank: list[str | None], what: str, path: Path, remove: Path | None, comm: Communicator) -> None:
-    """Raise on every rank, naming the ranks and their errors, where any rank failed at ``what`` (rank 0 first
-    deletes ``remove``, the new directory). ``failures_by_rank`` comes from one all-gather: the save's barrier."""
-    failures = {rank: error for rank, error in enumerate(failures_by_rank) if error}
-    if not failures:
-        return
-    if remove is not None and comm.rank == 0:
-        shutil.rmtree(remove, ignore_errors=True)
-    listed = "; ".join(f"rank {rank}: {error}" for rank, error in sorted(failures.items()))
-    kept = "is unchanged" if path.is_dir() else "does not exist (nothing was saved there before)"
-    raise CheckpointError(f"{what} failed on {len(failures)} of {comm.world_size} ranks ({listed}). '{path}' {kept}.")
-
-
-def _sync(path: Path) -> None:
-    """Flush a file's (or a directory's entries') data to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _commit(tmp: Path, path: Path, token: str) -> None:
-    old = path.with_name(f"{path.name}.old-{token}")
-    if path.is_symlink():  # replaced, not followed: see [Note: symbolic links to checkpoints]
-        path.unlink()
-    elif path.is_dir():
-        path.rename(old)
-    elif path.exists():
-        path.unlink()
-    tmp.rename(path)
-    _sync(path.parent)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def _remove_leftovers(path: Path) -> None:
-    """Directories that interrupted saves to ``path`` left behind (``.tmp-*``, ``.old-*``): ``path`` is newer."""
-    for kind in ("tmp", "old"):
-        for leftover in path.parent.glob(f"{glob.escape(path.name)}.{kind}-*"):
-            if leftover.is_symlink() or leftover.is_dir():
-                remove_sharded(leftover)
-
-
-def committed_path(path: str | Path) -> Path:
-    """``path``, or, where a save to it was interrupted between moving the previous checkpoint aside and renaming
-    the new one into place, the newest complete copy it left (with a warning that says so)."""
-    path = Path(path)
-    if path.exists():
-        return path
-    complete = [p for p in path.parent.glob(f"{glob.escape(path.name)}.tmp-*") if (p / COMPLETE_FILE).is_file()]
-    previous = [p for p in path.parent.glob(f"{glob.escape(path.name)}.old-*") if (p / METADATA_FILE).is_file()]
-    for candidates, what in ((complete, "the new checkpoint, complete on every rank"), (previous, "the previous one")):
-        if candidates:
-            found = max(candidates, key=lambda p: p.stat().st_mtime)
-            warnings.warn(
-                f"'{path}' does not exist: a save to it was interrupted while committing. Loading '{found}', {what}; "
-                f"rename it to '{path.name}' to keep it.",
-                stacklevel=3,
-            )
-            return found
-    return path
-
-
-def remove_sharded(path: str | Path) -> None:
-    """Delete a checkpoint directory; a symbolic link is removed, never what it points to (see
-    [Note: symbolic links to checkpoints])."""
-    path = Path(path)
-    if path.is_symlink():
-        path.unlink()
-    else:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 class ShardedCheckpoint:

@@ -110,13 +110,13 @@ def test_a_second_param_group_is_probed_with_its_own_hyperparameters() -> None:
 
 def _train(rank: int, world_size: int, optimizer_name: str, probe: bool) -> dict[str, object]:
     """Stage 1 on 2 ranks against one process on the global batch, 5 steps; ``probe=False`` forces past it."""
-    import lightning_zero.core.engine as engine_module
+    import lightning_zero.core.setup as setup_module
     from lightning_zero.core.comm import Communicator
     from lightning_zero.core.engine import ZeroEngine
     from lightning_zero.core.options import EngineOptions
 
     if not probe:
-        engine_module.check_elementwise = lambda optimizer, index: None
+        setup_module.check_elementwise = lambda optimizer, index: None
     make = {"Adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2), "AdamW": lambda p: torch.optim.AdamW(p)}
     torch.manual_seed(0)
     # One matrix, so that every rank owns a piece of it (Adafactor divides by a piece's size: an empty one raises).

@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor, nn
 
-from lightning_zero.checkpoint.sharded import (
+from lightning_zero.checkpoint import (
     ShardedCheckpoint,
     load_sharded_optimizers,
     load_sharded_params,

@@ -22,7 +22,7 @@ CAPPED_SAVE = textwrap.dedent(
     """
     import json, resource, sys, tempfile
     import torch, torch.distributed as dist
-    from lightning_zero.checkpoint.sharded import save_sharded
+    from lightning_zero.checkpoint.saving import save_sharded
     from lightning_zero.core.comm import Communicator
     from lightning_zero.core.engine import ZeroEngine
     from lightning_zero.core.options import EngineOptions

@@ -49,7 +49,7 @@ def _full(engine: Any) -> dict[str, Any]:
 
 
 def _save(engine: Any, path: Path, partition: str) -> None:
-    from lightning_zero.checkpoint.sharded import save_sharded
+    from lightning_zero.checkpoint.saving import save_sharded
 
     save_sharded(engine.named_state(), path, extra={}, version="test", partition=partition)
 

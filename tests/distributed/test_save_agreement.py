@@ -22,7 +22,7 @@ def _saved(path: str, note: str, fail_on: int | None, where: str) -> dict[str, A
     """Build an engine, save ``note`` to ``path``; on rank ``fail_on`` the save fails at ``where``."""
     import torch.distributed as dist
 
-    import lightning_zero.checkpoint.sharded as sharded
+    import lightning_zero.checkpoint.saving as sharded
     from lightning_zero.checkpoint.metadata import CheckpointError
     from lightning_zero.core.comm import Communicator
     from lightning_zero.core.engine import ZeroEngine

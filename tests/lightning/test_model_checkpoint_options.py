@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import remove_sharded
-from lightning_zero.checkpoint import sharded as sharded_module
+from lightning_zero.checkpoint import saving as sharded_module
 from tests.helpers import run_on_ranks
 from tests.lightning.models import TiedLM, make_loader, make_trainer, result_of
 
