@@ -6,7 +6,7 @@ order (see [Note: bucket order]). Stage 3 packs every parameter of each gather u
 units]) into :class:`ShardedBuffer` s by (``requires_grad``, dtype), which keep only their shard. Precision
 chooses each trainable buffer's store (see core/store/stores.py): a :class:`MasterStore` for 16-bit parameters that
 an optimizer trains, an :class:`InPlaceStore` otherwise (fp32 runs; batch-norm, complex and integer parameters).
-With offload, every floating-point buffer an optimizer trains gets the offload's store instead (core/offload/),
+With offload, every floating-point buffer an optimizer trains gets the offload's store instead (core/store/),
 and stage-3 shards rest where the offload says.
 """
 

@@ -23,7 +23,7 @@ from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
 class ShardStore(ABC):
     """The optimizer's side of one buffer's shard."""
 
-    offloaded = False  # the optimizer's copy and state live off the device (core/offload/)
+    offloaded = False  # the optimizer's copy and state live off the device (core/store/host.py, disk.py)
     paged = False  # the optimizer's copy and state are paged in per buffer during the step (core/store/disk.py)
 
     def __init__(self, buffer: FlatParamBuffer) -> None:
