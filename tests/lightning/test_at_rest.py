@@ -8,7 +8,7 @@ and the other metadata queries still answer. Inside ``trainer.strategy.gathered_
 the full values: those of stage 2 (same precision) and, in fp32, of DDP; the deep copy is a plain module that runs in
 this (the pytest) process, which has no process group. At stages 1 and 2 every operation simply works, at rest too.
 
-Each operation runs in a forked child of the rank (``hardening_models.probe``), so one that crashes fails only its
+Each operation runs in a forked child of the rank (``lifecycle_models.probe``), so one that crashes fails only its
 own assertion. One spawn of 2 ranks runs every case.
 """
 
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from tests.helpers import run_on_ranks
-from tests.lightning.hardening_models import (
+from tests.lightning.lifecycle_models import (
     ProbeBetweenSteps,
     full_params,
     make_strategy,

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from lightning_zero import consolidate
 from tests.helpers import run_on_ranks
-from tests.lightning.hardening_models import (
+from tests.lightning.lifecycle_models import (
     BeforeAfter,
     MaskRecording,
     RecordBeforeTrainEnd,

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import ShardedCheckpoint
 from tests.helpers import run_on_ranks
-from tests.lightning.hardening_models import error_of
+from tests.lightning.lifecycle_models import error_of
 from tests.lightning.models import SaveAt, TiedLM, make_loader, make_trainer, result_of, state_of
 
 WORLD_SIZE = 2

@@ -1,7 +1,9 @@
-"""LightningModules, callbacks, a same-maths fp16 reference and a case runner for ``test_training_hardening.py``.
+"""LightningModules, callbacks, a same-maths fp16 reference and a case runner for the spawns of ``training_cases.py``.
 
 Everything is module-level so that the processes ``tests.helpers.run_on_ranks`` spawns can import it. Models seed
 themselves in ``__init__``, so every rank and every strategy starts from the same weights.
+
+test_feature_matrix.py and test_failing_rank.py run cases of their own with the same runner.
 
 A *case* is a plain dict (one spawn runs a whole list of them, see :func:`run_cases`):
 

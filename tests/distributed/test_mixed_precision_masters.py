@@ -1,4 +1,4 @@
-"""Corner cases of mixed precision (fp32 masters, 16-bit parameters and gradients, loss scaling), core and plugin.
+"""Mixed precision's fp32 masters and loss scale in uncommon use (several optimizers, direct writes), core and plugin.
 
 Every distributed case runs in one spawn of 2 gloo ranks (``run_review_cases``); each case returns plain values
 (or the error it raised, as a string) and the tests below judge them. Gradients are made exact on purpose: the

@@ -1,4 +1,4 @@
-"""ZeroEngine in plain loops at the edges: ``module.zero_grad()``, a gradient penalty through
+"""ZeroEngine in plain training loops: ``module.zero_grad()``, a gradient penalty through
 ``torch.autograd.grad``, and backward passes in another order than their forwards at stage 3.
 
 Every case runs in one spawn of 2 gloo ranks at stages 1-3 and returns plain values; a case that raises on every

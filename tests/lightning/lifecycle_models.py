@@ -1,4 +1,6 @@
-"""LightningModules, callbacks and helpers for test_at_rest.py, test_callbacks.py and test_small_gaps.py.
+"""LightningModules, callbacks and helpers for the edges of a module's life: at rest, in callbacks, around ``fit``.
+
+Used by test_at_rest.py, test_callbacks.py and the spawns of lifecycle_cases.py.
 
 Everything is module level, so that the processes ``tests.helpers.run_on_ranks`` spawns can import it. Models
 seed themselves in ``__init__`` (see tests/lightning/models.py), so every rank and strategy starts alike.

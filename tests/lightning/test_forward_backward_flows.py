@@ -1,4 +1,4 @@
-"""Flows a review of the reshaped core found broken, each now against DDP on 2 real gloo ranks at stages 1-3.
+"""Forward and backward flows other than one of each per step train like DDP, on 2 real gloo ranks at stages 1-3.
 
 - A manual-optimization GAN whose parameters all sit in the stage-3 root unit runs forwards after the first
   ``manual_backward`` (the root must stay gathered) and empties the generator's gradients with
@@ -21,8 +21,8 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroStrategy
 from tests.helpers import run_on_ranks
+from tests.lightning.flow_models import DetachedUse, RootGAN, Saliency, WithBatchNorm, gan_loader, regression_loader
 from tests.lightning.models import make_trainer, max_rel_diff, result_of, state_of
-from tests.lightning.review_models import DetachedUse, RootGAN, Saliency, WithBatchNorm, gan_loader, regression_loader
 
 WORLD_SIZE = 2
 RTOL = 1e-5  # fp32 against DDP, as in test_ddp_equivalence.py

@@ -1,4 +1,4 @@
-"""LightningModules for the flows a review of the reshaped core tried (tests/lightning/test_review_flows.py).
+"""LightningModules whose forwards and backwards run in uncommon flows (tests/lightning/test_forward_backward_flows.py).
 
 Module level, so the processes ``tests.helpers.run_on_ranks`` spawns can import them; each seeds itself, so every
 rank and every strategy starts from the same weights.
