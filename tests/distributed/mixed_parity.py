@@ -125,7 +125,7 @@ def train_zero(
                 with _autocast(dtype):
                     loss = loss_fn(model, tokens, targets)
                 _scaled(loss, case, scale).backward()
-        finite = engine.step_of(optimizer, scale).prepare()
+        finite = engine.step_of(optimizer).prepare(scale)
         assert finite
         clip_with_engine(engine, optimizer, case)
         optimizer.step()

@@ -128,7 +128,7 @@ def _second_reducing_backward(stage: int) -> dict[str, Any]:
     model(40000.0).backward()  # averaged: 40000, finite in fp16 (max 65504)
     model(32.0).backward()  # held: 40000 + 32 = 40032, exact in fp16
     held = _piece_grads(engine, optimizer).tolist()
-    finite = engine.step_of(optimizer, loss_scale=1.0).prepare()
+    finite = engine.step_of(optimizer).prepare(loss_scale=1.0)
     engine.step_of(optimizer).skip()
     return {"held": held, "finite": finite}
 
@@ -171,7 +171,7 @@ def _overflow_of_another_optimizer(stage: int) -> dict[str, Any]:
     opt_a, opt_b = _sgd([model.a]), _sgd([model.b])
     engine = _engine(model, [opt_a, opt_b], stage, "fp16")
     model(1.0, 1e6).backward()  # b's gradient 1e6 is inf in fp16
-    finite_a = engine.step_of(opt_a, loss_scale=1.0).prepare()
+    finite_a = engine.step_of(opt_a).prepare(loss_scale=1.0)
     b_step_grads = [engine.step_of(opt_b).state is StepState.PREPARED]
     engine.step_of(opt_a).skip()
     return {"finite_a": finite_a, "b_step_grads": b_step_grads}
@@ -286,7 +286,7 @@ def _grad_after_clipped_step(precision: str) -> float:
     engine = _engine(model, [optimizer], 2, precision)
     scale = 1024.0 if precision == "fp16" else None
     (model(2.0) * (scale or 1.0)).backward()  # gradient [2, 2, 2, 2]: norm 4
-    engine.step_of(optimizer, scale).prepare()
+    engine.step_of(optimizer).prepare(scale)
     engine.step_of(optimizer).clip_grad_norm_(1.0)
     optimizer.step()
     # torch keeps the clipped gradient until zero_grad; the held one stays scaled by its backward's loss scale,
@@ -348,7 +348,7 @@ def _accumulate_across_steps(stage: int, precision: str) -> list[float]:
     rank = engine.comm.rank
     for xs in ((1.0, 3.0), (0.5, 1.5)):  # averaged over the 2 ranks: 2, then 1
         (model(xs[rank]) * (scale or 1.0)).backward()
-        assert engine.step_of(optimizer, scale).prepare()
+        assert engine.step_of(optimizer).prepare(scale)
         optimizer.step()
     return _masters(engine, "a")  # 1 - 0.25 * 2 - 0.25 * (2 + 1) = -0.25
 
