@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -43,6 +44,7 @@ from typing import IO
 SUBNET = "10.213.0"  # private to the namespaces, see [Note: test hosts]
 INTERFACE = "lzlink"  # the veth end in each namespace (interface names are per namespace)
 PREFIX = "lzt-"  # namespace names: PREFIX + "<pid>-<random>-<index>"
+_NAME = re.compile(rf"{PREFIX}(?P<pid>\d+)-[0-9a-f]{{6}}-\d+")
 ETC_NETNS = Path("/etc/netns")
 _IP_TIMEOUT_S = 30
 
@@ -208,10 +210,12 @@ def _delete(namespaces: Sequence[str]) -> None:
 
 
 def _delete_stale() -> None:
-    """Delete the namespaces of earlier test processes that died before they could clean up."""
-    names = [line.split()[0] for line in _ip("netns", "list").splitlines() if line.startswith(PREFIX)]
-    stale = [name for name in names if not _alive(int(name[len(PREFIX) :].split("-")[0]))]
-    _delete(stale)
+    """Delete the namespaces of earlier test processes that died before they could clean up.
+
+    A process id names its creator; the test processes of one machine share one PID namespace.
+    """
+    ours = (_NAME.fullmatch(line.split()[0]) for line in _ip("netns", "list").splitlines() if line.strip())
+    _delete([match.group(0) for match in ours if match is not None and not _alive(int(match.group("pid")))])
 
 
 def _alive(pid: int) -> bool:

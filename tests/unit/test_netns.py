@@ -3,6 +3,7 @@ always removed."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -109,6 +110,7 @@ def test_namespaces_of_a_dead_test_process_are_deleted() -> None:
 
 
 @needs_netns
+@pytest.mark.skipif(shutil.which("tc") is None, reason="the `tc` command (iproute2) is not installed")
 def test_throttle_shapes_both_ends_and_is_removed() -> None:
     with network_hosts() as pair:
         with pair.throttle("8mbit", burst="32kb", latency="20ms"):
