@@ -15,10 +15,11 @@ Mixed precision (bf16 parameters and gradients, fp32 master shards; on GPUs add 
 
     python examples/gpt.py fit --config examples/configs/mixed_precision.yaml
 
-Several nodes with torchrun (run on every node, NODE_RANK=0..1)::
+Several nodes with torchrun (the same command on every node; NODE0_ADDR: node 0's address, THIS_ADDR: this node's,
+JOB_ID: any name shared by the nodes; Lightning's own launcher and SLURM: docs/launching.md)::
 
-    torchrun --nnodes=2 --nproc-per-node=8 --node-rank=$NODE_RANK \\
-        --master-addr=$MASTER_ADDR --master-port=29500 \\
+    torchrun --nnodes=2 --nproc-per-node=8 \\
+        --rdzv-backend=c10d --rdzv-endpoint=$NODE0_ADDR:29400 --rdzv-id=$JOB_ID --local-addr=$THIS_ADDR \\
         examples/gpt.py fit --config examples/configs/zero3.yaml \\
         --trainer.accelerator=gpu --trainer.devices=8 --trainer.num_nodes=2
 
