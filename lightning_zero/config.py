@@ -20,6 +20,19 @@ STATE_DICT_TYPES = ("sharded", "full")
 START_METHODS = ("popen", "spawn", "fork")
 BACKENDS = ("nccl", "gloo")
 
+# The strategy names registered for ``Trainer(strategy="zero_2")`` and the like: their options and description.
+PRESETS: dict[str, tuple[dict[str, Any], str]] = {
+    "zero_1": ({"stage": 1}, "ZeRO stage 1: optimizer state sharded"),
+    "zero_2": ({"stage": 2}, "ZeRO stage 2: optimizer state and gradients sharded"),
+    "zero_3": ({"stage": 3}, "ZeRO stage 3: optimizer state, gradients and parameters sharded"),
+    # As Lightning's deepspeed_stage_2_offload / deepspeed_stage_3_offload.
+    "zero_2_offload": ({"stage": 2, "offload_optimizer": "cpu"}, "ZeRO stage 2, optimizer state on the CPU"),
+    "zero_3_offload": (
+        {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+        "ZeRO stage 3, optimizer state and parameters on the CPU",
+    ),
+}
+
 # Options that the contract names and the core does not implement yet; each maps to the issue that
 # builds it, so the error can say so instead of silently ignoring the option.
 _NOT_YET_BUILT = {

@@ -7,6 +7,8 @@
 2. ``lightning_zero.checkpoint`` reads an engine only through its named-state API: none of its modules names the
    engine's internals (buffers, stores, buckets, steps, units).
 3. Only ``core/comm/`` calls ``torch.distributed``.
+4. What a Fabric strategy shares with ``ZeroStrategy`` (``session.py``, ``collectives.py``) imports no
+   ``lightning.pytorch``: import-linter forbids external packages only whole, and these may use Lightning Fabric.
 """
 
 from __future__ import annotations
@@ -98,3 +100,25 @@ def test_only_comm_calls_torch_distributed_in_core(path: Path) -> None:
     modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert "torch.distributed" not in names, path.name
     assert "torch.distributed" not in modules, path.name
+
+
+FABRIC_SHARED = [PACKAGE_DIR / "session.py", PACKAGE_DIR / "collectives.py"]
+
+
+def lightning_trainer_imports(source: str) -> list[str]:
+    """The modules of ``lightning.pytorch`` (or ``pytorch_lightning``) that ``source`` imports."""
+    tree = ast.parse(source)
+    modules = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    modules += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level]
+    return sorted(m for m in modules if m.split(".")[0] == "pytorch_lightning" or m.startswith("lightning.pytorch"))
+
+
+@pytest.mark.parametrize("path", FABRIC_SHARED, ids=lambda p: p.name)
+def test_what_a_fabric_strategy_shares_imports_no_lightning_trainer(path: Path) -> None:
+    imported = lightning_trainer_imports(path.read_text())
+    assert not imported, f"{path.name} imports {imported}; it sits below ZeroStrategy, shared with a Fabric strategy"
+
+
+def test_a_planted_lightning_trainer_import_is_found() -> None:
+    planted = "def _f():\n    from lightning.pytorch.core.optimizer import _MockOptimizer\nimport pytorch_lightning\n"
+    assert lightning_trainer_imports(planted) == ["lightning.pytorch.core.optimizer", "pytorch_lightning"]
