@@ -304,7 +304,7 @@ class FSDP2System(System):
 class BaselineZeroSystem(ZeroSystem):
     """``base1``-``base3`` (and ``*_bf16``): the core of an earlier commit, prepared by ``benchmarks/ab_core.py``
     under another package name, in the same interleaved run as the current one. Older cores took a ``ZeroConfig``
-    and finished a step with ``finish_step``; the calls they lack are skipped."""
+    and finished a step with ``finish_step``; the calls they lack are skipped, the figures they lack are ``None``."""
 
     def __init__(self, name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> None:
         import importlib
@@ -355,6 +355,11 @@ class BaselineZeroSystem(ZeroSystem):
             "prepare_step": t4 - t3,
             "optimizer": t5 - t4,
         }
+
+    def owned_elements(self) -> tuple[int, int] | None:
+        """As the current core's; ``None`` from cores whose memory report does not count them (before 5954420)."""
+        report = self.engine.memory_report()
+        return (report.owned_max, report.owned_min) if hasattr(report, "owned_max") else None
 
 
 def build_system(name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any) -> System:
