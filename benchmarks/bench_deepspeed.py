@@ -5,24 +5,24 @@ environment of its own, e.g.::
 
     python3 -m venv /tmp/dsvenv
     /tmp/dsvenv/bin/pip install torch deepspeed
-    /tmp/dsvenv/bin/pip install -e .          # lightning_zero and examples/, for the GPT and bench_zero.py's helpers
+    /tmp/dsvenv/bin/pip install -e .          # lightning_zero and examples/, for the GPT and zero_bench/'s helpers
     /tmp/dsvenv/bin/python benchmarks/bench_deepspeed.py --params 25e6 --steps 16
     /tmp/dsvenv/bin/python benchmarks/bench_deepspeed.py --params 5e6 --steps 4 --warmup 1   # quick smoke run
 
 DeepSpeed runs on its CPU accelerator (``DS_ACCELERATOR=cpu``, set here unless the environment says otherwise) over
-the gloo process group that bench_zero.py's ``run_on_ranks`` starts (``deepspeed.init_distributed(dist_backend=
-"gloo")`` adopts it). No fp16/bf16 section in the config: fp32 throughout. The client optimizer is bench_zero.py's
-``make_adamw`` (torch.optim.AdamW, the same two param groups: weight decay 0.1 on matrices, 0 on the rest), handed
-to ``deepspeed.initialize`` with ``zero_allow_untested_optimizer``. On first use DeepSpeed's CPU communication
-backend JIT-compiles a small C++ op (``deepspeed_shm_comm``, with ninja and the system compiler), used only by its
-``inference_all_reduce``; training collectives are torch.distributed's gloo ones.
+the gloo process group that the repository's launcher starts (``tests/helpers.py``, through ``zero_bench.launch``;
+``deepspeed.init_distributed(dist_backend="gloo")`` adopts it). No fp16/bf16 section in the config: fp32 throughout.
+The client optimizer is bench_zero.py's ``make_adamw`` (torch.optim.AdamW, the same two param groups: weight decay
+0.1 on matrices, 0 on the rest), handed to ``deepspeed.initialize`` with ``zero_allow_untested_optimizer``. On first
+use DeepSpeed's CPU communication backend JIT-compiles a small C++ op (``deepspeed_shm_comm``, with ninja and the
+system compiler), used only by its ``inference_all_reduce``; training collectives are torch.distributed's gloo ones.
 
-What it does (as bench_zero.py, whose helpers it imports: ``make_model``, ``make_adamw``, ``model_config``,
-``batch_stream``, ``parameter_gap``, ``run_on_ranks``, ...): every rank builds ``ddp`` and ``ds_zero1``-``ds_zero3``
-from the same seed (identical starting weights, checked) and trains them on one fixed stream of batches, interleaved
-(round ``i`` runs step ``i`` of every system, the order rotating every round); a step's time is the slowest rank's;
-rounds in which other processes used more than ``--max-foreign`` of the CPUs are left out of the statistics when
-enough clean ones remain (else all rounds are used, flagged NOISY).
+What it does (as bench_zero.py, whose helpers in ``zero_bench/`` it imports: ``make_model``, ``make_adamw``,
+``model_config``, ``batch_stream``, ``parameter_gap``, ``on_ranks``, ...): every rank builds ``ddp`` and
+``ds_zero1``-``ds_zero3`` from the same seed (identical starting weights, checked) and trains them on one fixed
+stream of batches, interleaved (round ``i`` runs step ``i`` of every system, the order rotating every round); a
+step's time is the slowest rank's; rounds in which other processes used more than ``--max-foreign`` of the CPUs are
+left out of the statistics when enough clean ones remain (else all rounds are used, flagged NOISY).
 
 Reported per system: median step time and its ratio to ``ddp``'s (and the median of per-round ratios), per-phase
 medians, per-rank model-state bytes (below), and after the run the largest per-tensor relative parameter difference
@@ -65,12 +65,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_zero.py, which puts the repository root on the path
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # zero_bench, which puts the repository root on the path
 
-import bench_zero as bz
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from zero_bench.launch import on_ranks
+from zero_bench.measure import batch_stream, foreign_share_since, machine_busy_s, model_config, own_cpu_s, parameter_gap
+from zero_bench.report import code_version, mib, rounds_sentence, select_rounds, step_ratios
+from zero_bench.systems import DDPSystem, System, lm_loss, make_adamw, make_model
+
+from examples.gpt import DEFAULT_DATA
 
 # ``_cpu``: DeepSpeed's ZeRO-Offload (optimizer state on the CPU; at stage 3 the parameters too) stepping the same
 # torch AdamW (``zero_force_ds_cpu_optimizer: False``: its compiled DeepSpeedCPUAdam is not what is compared).
@@ -119,15 +124,15 @@ def ds_config(stage: int, args: argparse.Namespace, offload: bool = False) -> di
     }
 
 
-class DeepSpeedSystem(bz.System):
+class DeepSpeedSystem(System):
     """``ds_zero1``-``ds_zero3``: ``deepspeed.initialize`` on the GPT and make_adamw's AdamW, fp32."""
 
     def __init__(self, name: str, cfg: Any, args: argparse.Namespace) -> None:
         deepspeed = import_deepspeed()
         self._setup(name, args)
         self.stage = int(name.removeprefix("ds_zero")[0])
-        self.model = bz.make_model(cfg, args.seed)
-        optimizer = bz.make_adamw(self.model, args.lr)
+        self.model = make_model(cfg, args.seed)
+        optimizer = make_adamw(self.model, args.lr)
         self.config = ds_config(self.stage, args, offload=name.endswith("_cpu"))
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=self.model, optimizer=optimizer, config=self.config
@@ -137,7 +142,7 @@ class DeepSpeedSystem(bz.System):
 
     def step(self, x: Tensor, y: Tensor) -> dict[str, float]:
         t0 = time.perf_counter()
-        loss = bz._loss(self.engine, x, y)
+        loss = lm_loss(self.engine, x, y)
         t1 = time.perf_counter()
         self.engine.backward(loss)
         t2 = time.perf_counter()
@@ -158,7 +163,7 @@ class DeepSpeedSystem(bz.System):
 
         hooks = [p.register_post_accumulate_grad_hook(sample) for p in self.model.parameters() if p.requires_grad]
         try:
-            self.engine.backward(bz._loss(self.engine, x, y))
+            self.engine.backward(lm_loss(self.engine, x, y))
         finally:
             for hook in hooks:
                 hook.remove()
@@ -245,9 +250,9 @@ def _count(tensors: list[Tensor], seen: set[int]) -> int:
     return total
 
 
-def build(name: str, cfg: Any, args: argparse.Namespace) -> bz.System:
+def build(name: str, cfg: Any, args: argparse.Namespace) -> System:
     if name == "ddp":
-        return bz.DDPSystem(name, cfg, args, dist.new_group(backend="gloo"))
+        return DDPSystem(name, cfg, args, dist.new_group(backend="gloo"))
     return DeepSpeedSystem(name, cfg, args)
 
 
@@ -259,10 +264,10 @@ def timing_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[st
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     deepspeed = import_deepspeed()
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the gloo group that run_on_ranks started
-    cfg = bz.model_config(args)
+    cfg = model_config(args)
     names = list(args.systems)
     device = torch.device("cpu")
-    batches = bz.batch_stream(args, rank)
+    batches = batch_stream(args, rank)
     systems = {name: build(name, cfg, args) for name in names}
     reference = systems[names[0]].full_state()
     for name in names[1:]:
@@ -277,13 +282,13 @@ def timing_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[st
         index = len(load)
         x, y = next(batches)
         dist.barrier()
-        mark = (time.perf_counter(), bz.machine_busy_s(), time.process_time())
+        mark = (time.perf_counter(), machine_busy_s(), time.process_time())
         for name in names[index % len(names) :] + names[: index % len(names)]:
             dist.barrier()
             start = time.perf_counter()
             phases[name].append(systems[name].step(x, y))
             times[name].append(time.perf_counter() - start)
-        load.append(bz.foreign_share_since(*mark, device=device))
+        load.append(foreign_share_since(*mark, device=device))
         clean += index >= args.warmup and load[-1] <= args.max_foreign
 
     result: dict[str, Any] = {"times": times, "phases": phases, "load": load, "systems": {}}
@@ -292,7 +297,7 @@ def timing_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[st
         full = system.full_state()  # a collective at stage 3: every rank, in the same order
         entry = {"numel": sum(t.numel() for t in full.values())}
         if base is not None and name != "ddp":
-            entry.update(bz.parameter_gap(full, base))
+            entry.update(parameter_gap(full, base))
         result["systems"][name] = entry
     x, y = next(batches)  # one more step, untimed, for the byte counts (after the parameter comparison)
     for name, system in systems.items():
@@ -313,7 +318,7 @@ def timing_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[st
 
 
 def summarize(args: argparse.Namespace, timing: list[dict[str, Any]]) -> dict[str, Any]:
-    rounds, rounds_info = bz.select_rounds(args, timing[0]["load"])
+    rounds, rounds_info = select_rounds(args, timing[0]["load"])
     summary: dict[str, Any] = {"_rounds": rounds_info}
     for name in args.systems:
         per_step = [max(r["times"][name][i] for r in timing) for i in rounds]
@@ -339,7 +344,7 @@ def summarize(args: argparse.Namespace, timing: list[dict[str, Any]]) -> dict[st
         summary[name] = entry
     if "ddp" in summary:
         for name in args.systems:
-            summary[name]["ratio_to_ddp"], summary[name]["paired_ratio_median"] = bz.step_ratios(summary, name, "ddp")
+            summary[name]["ratio_to_ddp"], summary[name]["paired_ratio_median"] = step_ratios(summary, name, "ddp")
     return summary
 
 
@@ -352,12 +357,11 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], versions: dict[s
     names = [name for name in summary if not name.startswith("_")]
     rounds = summary["_rounds"]
     numel = summary[names[0]]["numel"]
-    mib = bz.mib
     lines = [
         f"GPT {numel / 1e6:.2f}M parameters (Ψ = {numel:,}), N = {args.world_size} gloo ranks on the CPU, batch "
         f"{args.batch_size} x block {args.block_size} per rank, fp32 AdamW, DeepSpeed {versions['deepspeed']} "
         f"(torch {versions['torch']}), {args.warmup} warmup + {rounds['measured_rounds']} measured rounds of one "
-        "step per system, interleaved; " + bz.rounds_sentence(args, rounds),
+        "step per system, interleaved; " + rounds_sentence(args, rounds),
         "",
         "| system | median step ms (min-max) | vs ddp | paired | params MiB | fp32 master MiB | optim MiB "
         "| grads MiB: peak in backward / after backward / after step | buckets MiB | total MiB | total / Ψ "
@@ -412,7 +416,7 @@ def versions() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "ds_accelerator": os.environ.get("DS_ACCELERATOR"),
-        **bz.code_version(),
+        **code_version(),
     }
 
 
@@ -431,7 +435,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-foreign", type=float, default=0.05)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--data", default=str(bz.DEFAULT_DATA))
+    parser.add_argument("--data", default=str(DEFAULT_DATA))
     parser.add_argument("--out", help="also write the results as JSON to this file")
     args = parser.parse_args(argv)
     args.max_rounds = args.max_rounds or 2 * args.steps
@@ -447,12 +451,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     info = versions()  # fails with the install hint before any rank is spawned
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    print(f"# {bz.model_config(args)} | {info}", file=sys.stderr, flush=True)
+    print(f"# {model_config(args)} | {info}", file=sys.stderr, flush=True)
     started = time.perf_counter()
-    busy_before, own_before = bz.machine_busy_s(), bz._own_cpu_s()
-    timing = bz.run_on_ranks(timing_rank, args.world_size, args.threads, args)
+    busy_before, own_before = machine_busy_s(), own_cpu_s()
+    timing = on_ranks(timing_rank, args)
     wall = time.perf_counter() - started
-    foreign = (bz.machine_busy_s() - busy_before) - (bz._own_cpu_s() - own_before)
+    foreign = (machine_busy_s() - busy_before) - (own_cpu_s() - own_before)
     load = {"wall_s": wall, "foreign_cpu_s": foreign, "foreign_share": foreign / (wall * (os.cpu_count() or 1))}
     summary = summarize(args, timing)
     print(markdown(args, summary, info, load))
@@ -461,7 +465,7 @@ def main(argv: list[str] | None = None) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "config": {k: v for k, v in vars(args).items() if k != "out"},
-            "model": vars(bz.model_config(args)),
+            "model": vars(model_config(args)),
             "environment": info,
             "deepspeed_configs": timing[0]["ds_configs"],
             "deepspeed_optimizers": timing[0]["ds_optimizers"],

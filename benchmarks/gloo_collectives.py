@@ -17,26 +17,28 @@ backward pass in ZeRO), "total" until ``wait()`` returns; medians over the repea
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
+import sys
 import time
 import warnings
-from datetime import timedelta
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # for `tests.helpers`, the repository's launcher (also in the spawned ranks)
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tests.helpers import run_on_ranks  # noqa: E402
 
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, queue: mp.Queue) -> None:
+def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """Median (issue, total) seconds of each collective on this rank, in the gloo group the launcher started."""
     warnings.filterwarnings("ignore", category=FutureWarning)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=600))
     numel = args.numel - args.numel % world_size
     full = torch.randn(numel)
     shard = torch.empty(numel // world_size)
@@ -61,8 +63,7 @@ def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, queue
             issue.append(issued - start)
             total.append(time.perf_counter() - start)
         results[name] = (statistics.median(issue), statistics.median(total))
-    queue.put((rank, results))
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -71,17 +72,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
-    for proc in procs:
-        proc.start()
-    results = dict(queue.get(timeout=900) for _ in procs)
-    for proc in procs:
-        proc.join()
+    results = dict(enumerate(run_on_ranks(_rank, args.world_size, args, timeout_s=900)))  # one torch thread each
     mib = args.numel * 4 / 2**20
     print(f"{args.world_size} gloo ranks, 1 thread each, fp32 buffer of {args.numel:,} elements ({mib:.1f} MiB)\n")
     print("| collective | issue ms | total ms |\n|---|---|---|")

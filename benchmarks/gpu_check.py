@@ -70,7 +70,7 @@ from typing import Any
 STARTED = time.time()  # before torch is imported: a subprocess reports how long its imports took
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve()
-for _path in (REPO, REPO / "benchmarks"):  # `examples.gpt`, `bench_zero` (also in the subprocesses)
+for _path in (REPO, REPO / "benchmarks"):  # `examples.gpt`, `zero_bench` (also in the subprocesses)
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
@@ -907,10 +907,10 @@ def overlap_text(copies: dict[str, Any] | None) -> str:
 
 def disk_row(path: str, device: torch.device) -> dict[str, Any]:
     """The swap directory's file system and its bandwidth through the offload's own swap file."""
-    import bench_zero
+    from zero_bench.measure import disk_bandwidth
 
     nbytes = 256 * 2**20 if device.type == "cuda" else 16 * 2**20
-    bandwidth = bench_zero.disk_bandwidth(path, nbytes=nbytes, chunk=min(nbytes, 8 * 2**20))
+    bandwidth = disk_bandwidth(path, nbytes=nbytes, chunk=min(nbytes, 8 * 2**20))
     fs = filesystem(path)
     usage = shutil.disk_usage(path)
     notes = (
@@ -1212,11 +1212,11 @@ def check_lightning(run: Run) -> dict[str, Any]:
 
 
 def environment(run: Run) -> dict[str, Any]:
-    import bench_zero
     import lightning
+    from zero_bench.report import code_version
 
     info: dict[str, Any] = {
-        **bench_zero.code_version(),
+        **code_version(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "lightning": lightning.__version__,

@@ -23,6 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_zero
 import torch
+from zero_bench.launch import on_ranks
+from zero_bench.measure import batch_stream, model_config
+from zero_bench.names import SYSTEMS
+from zero_bench.systems import build_system, lm_loss
 
 PHASES = ("forward", "backward", "prepare_step", "step")
 
@@ -44,10 +48,10 @@ def phase_peaks(rank: int, world_size: int, args: argparse.Namespace, name: str)
     """Per step: the peak RSS of each phase (``phase``) and the RSS at its end (``phase/end``) over the RSS at the
     step's start, in MiB."""
     torch.set_num_threads(args.threads)
-    system = bench_zero.build_system(name, bench_zero.model_config(args), args, None)
+    system = build_system(name, model_config(args), args, None)
     engine = getattr(system, "engine", None)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=name.endswith("_bf16"))
-    stream = bench_zero.batch_stream(args, rank)
+    stream = batch_stream(args, rank)
     steps = []
     for _ in range(args.steps):
         x, y = next(stream)
@@ -55,7 +59,7 @@ def phase_peaks(rank: int, world_size: int, args: argparse.Namespace, name: str)
         _reset_peak()
         system.optimizer.zero_grad()
         with autocast:
-            loss = bench_zero._loss(system.model, x, y)
+            loss = lm_loss(system.model, x, y)
         peaks["forward"] = _status_mib("VmHWM") - start
         peaks["forward/end"] = _status_mib("VmRSS") - start
         _reset_peak()
@@ -77,7 +81,7 @@ def phase_peaks(rank: int, world_size: int, args: argparse.Namespace, name: str)
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("systems", nargs="+", help=f"from {', '.join(bench_zero.SYSTEMS)}")
+    parser.add_argument("systems", nargs="+", help=f"from {', '.join(SYSTEMS)}")
     parser.add_argument("--params", default="25e6")
     parser.add_argument("--steps", type=int, default=3)
     options, rest = parser.parse_known_args(argv)
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"RSS over the step's start, MiB (rank 0, step {options.steps}), peak / end of: " + " | ".join(PHASES))
     for name in options.systems:
         args.steps = options.steps
-        result: Any = bench_zero.run_on_ranks(phase_peaks, args.world_size, args.threads, args, name)
+        result: Any = on_ranks(phase_peaks, args, name)
         last = result[0][-1]
         print(f"{name}: " + " | ".join(f"{last[phase]:.1f} / {last[phase + '/end']:.1f}" for phase in PHASES))
 

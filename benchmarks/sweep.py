@@ -24,11 +24,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_zero as bz
 import torch
 import torch.distributed as dist
+from zero_bench.launch import on_ranks
+from zero_bench.report import environment, formula_bytes
+from zero_bench.systems import build_system
 
-from examples.gpt import count_params
+from examples.gpt import count_params, gpt_config_for_params
 
 SWEEP_SYSTEMS = ("ddp", "zero1", "zero2", "zero3")
 COLORS = {"ddp": "#333333", "zero1": "#4c72b0", "zero2": "#dd8452", "zero3": "#55a868", "zero1_torch": "#8172b3"}
@@ -37,7 +39,7 @@ COLORS = {"ddp": "#333333", "zero1": "#4c72b0", "zero2": "#dd8452", "zero3": "#5
 def sweep_rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for size in args.sizes:
-        cfg = bz.gpt_config_for_params(int(size), vocab_size=256, block_size=args.block_size)
+        cfg = gpt_config_for_params(int(size), vocab_size=256, block_size=args.block_size)
         psi = count_params(cfg)
         generator = torch.Generator().manual_seed(args.seed + rank)
         x = torch.randint(0, 256, (args.batch_size, args.block_size), generator=generator)
@@ -45,7 +47,7 @@ def sweep_rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dic
         for name in args.systems:
             dist.barrier()
             start = time.perf_counter()
-            system = bz.build_system(name, cfg, args, None)
+            system = build_system(name, cfg, args, None)
             built = time.perf_counter()
             system.step(x, y)
             done = time.perf_counter()
@@ -71,7 +73,7 @@ def sweep_rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dic
 
 
 def formula(name: str, psi: int, n: int) -> float:
-    return bz.formula_bytes(name, psi, n)
+    return formula_bytes(name, psi, n)
 
 
 def summarize(rows: list[dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         plot(record["results"], record["config"]["world_size"], Path(args.png))
         return
     started = time.perf_counter()
-    ranks = bz.run_on_ranks(sweep_rank, args.world_size, args.threads, args)
+    ranks = on_ranks(sweep_rank, args)
     rows = [row for rank_rows in ranks for row in rank_rows]
     results = summarize(rows, args.world_size)
     print("| Ψ | system | measured MiB (max rank) | formula MiB | measured/formula | step s |")
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
-            {"config": vars(args), "environment": bz.environment(), "results": results, "rows": rows},
+            {"config": vars(args), "environment": environment(), "results": results, "rows": rows},
             indent=2,
             default=str,
         )
