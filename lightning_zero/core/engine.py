@@ -157,23 +157,14 @@ class ZeroEngine:
         setup.agree_on_model(self.comm, self.module, self.optimizers, setup.describe(self.options, self.policy, ()))
         setup.assign_owners(self.owners, self.model, self.options.stage)
         if self.options.stage == 3:
-            self._split_frozen_groups()
+            optimized = {id(p) for p in setup.optimized(self.optimizers)}
+            for frozen, split in self.packer.split_frozen_groups(self.model.groups, optimized, self.topology.gather):
+                self.model.groups.remove(frozen)
+                self._add_groups(split)
         else:
             held = {id(p) for b in self.model.buffers for p in b.params}
             self._add_groups(self.packer.replicated(setup.trainable_by_group(self.optimizers, held)))
         setup.bind_optimizers(self.model)
-
-    def _split_frozen_groups(self) -> None:
-        """Stage 3: frozen buffers that now hold trainable, optimized parameters are split by ``requires_grad``."""
-        optimized = {id(p) for p in setup.optimized(self.optimizers)}
-        for group in [g for g in self.model.groups if g.store is None]:
-            if not any(p.requires_grad and id(p) in optimized for p in group.buffer.params):
-                continue
-            group.unit.unshard(self.topology.gather)  # type: ignore[union-attr]
-            groups = self.packer.split_frozen(group.unit, group.buffer, optimized)  # type: ignore[arg-type]
-            group.unit.reshard()  # type: ignore[union-attr]
-            self.model.groups.remove(group)
-            self._add_groups(groups)
 
     def _add_groups(self, groups: list[BufferGroup]) -> None:
         self.model.groups.extend(groups)
@@ -186,6 +177,12 @@ class ZeroEngine:
     def finish_backward(self) -> None:
         """Call after every ``backward()`` (see :meth:`BackwardPass.finish`)."""
         self.backward.finish()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside skip the reduction where the stage allows it (gradient accumulation), as DDP's."""
+        with self.backward.no_sync():
+            yield
 
     def step_of(self, optimizer: Optimizer) -> OptimizerStep:
         """``optimizer``'s step: ``prepare()``, ``clip_grad_norm_(...)``, ``skip()`` (see [Note: the step window])."""

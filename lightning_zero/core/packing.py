@@ -147,6 +147,21 @@ class Packer:
         roots = len(units[-1].buffers)
         return units, [*reversed(packed[: len(packed) - roots]), *packed[len(packed) - roots :]]
 
+    def split_frozen_groups(
+        self, groups: Sequence[BufferGroup], optimized: set[int], gather: Communicator
+    ) -> list[tuple[BufferGroup, list[BufferGroup]]]:
+        """Stage 3: each frozen group whose parameters became trainable in an optimizer, with the groups that replace
+        it (see [Note: changes after setup]); its unit is gathered over ``gather`` for the split (collective)."""
+        replaced = []
+        for group in [g for g in groups if g.store is None]:
+            unit = group.unit
+            if unit is None or not any(p.requires_grad and id(p) in optimized for p in group.buffer.params):
+                continue
+            unit.unshard(gather)
+            replaced.append((group, self.split_frozen(unit, group.buffer, optimized)))  # type: ignore[arg-type]
+            unit.reshard()
+        return replaced
+
     def split_frozen(self, unit: GatherUnit, buffer: ShardedBuffer, optimized: set[int]) -> list[BufferGroup]:
         """Stage 3: a frozen buffer of a gathered ``unit`` whose parameters became trainable, split by
         ``requires_grad`` into new buffers that replace it in the unit (see [Note: changes after setup])."""
