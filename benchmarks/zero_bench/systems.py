@@ -226,15 +226,8 @@ class ZeroSystem(System):
         t4 = now(device)
         self.optimizer.step()  # the step window, then masters rounded and (stages 1, 2) the new shards gathered
         t5 = now(device)
-        stats = self.engine.last_step_comm
-        self.last_comm = {"nbytes": stats.nbytes, "calls": stats.calls, "by_op": dict(stats.by_op)}
-        return {
-            "begin_iteration": t1 - t0,
-            "forward": t2 - t1,
-            "backward": t3 - t2,
-            "prepare_step": t4 - t3,
-            "optimizer": t5 - t4,
-        }
+        self.last_comm = comm_counts(self.engine.last_step_comm)
+        return phase_times(t0, t1, t2, t3, t4, t5)
 
     def memory(self) -> dict[str, int]:
         report = self.engine.memory_report()  # bf16: the fp32 masters are counted under optimizer_states
@@ -346,15 +339,8 @@ class BaselineZeroSystem(ZeroSystem):
         self.optimizer.step()
         getattr(engine, "finish_step", lambda optimizer: None)(self.optimizer)
         t5 = now(device)
-        stats = engine.last_step_comm
-        self.last_comm = {"nbytes": stats.nbytes, "calls": stats.calls, "by_op": dict(stats.by_op)}
-        return {
-            "begin_iteration": t1 - t0,
-            "forward": t2 - t1,
-            "backward": t3 - t2,
-            "prepare_step": t4 - t3,
-            "optimizer": t5 - t4,
-        }
+        self.last_comm = comm_counts(engine.last_step_comm)
+        return phase_times(t0, t1, t2, t3, t4, t5)
 
     def owned_elements(self) -> tuple[int, int] | None:
         """As the current core's; ``None`` from cores whose memory report does not count them (before 5954420)."""
@@ -371,3 +357,19 @@ def build_system(name: str, cfg: GPTConfig, args: argparse.Namespace, group: Any
     if base == "zero1_torch":
         return TorchZero1System(name, cfg, args, group)
     return FSDP2System(name, cfg, args, group) if base == "fsdp2" else ZeroSystem(name, cfg, args, group)
+
+
+def comm_counts(stats: Any) -> dict[str, Any]:
+    """The engine's bytes of the last step, as the report stores them."""
+    return {"nbytes": stats.nbytes, "calls": stats.calls, "by_op": dict(stats.by_op)}
+
+
+def phase_times(t0: float, t1: float, t2: float, t3: float, t4: float, t5: float) -> dict[str, float]:
+    """Seconds of each phase of a ZeRO step, from the clock readings between them."""
+    return {
+        "begin_iteration": t1 - t0,
+        "forward": t2 - t1,
+        "backward": t3 - t2,
+        "prepare_step": t4 - t3,
+        "optimizer": t5 - t4,
+    }

@@ -33,7 +33,7 @@ from tests.lightning.lifecycle_models import (
     regression_data,
     regression_loader,
 )
-from tests.lightning.models import BATCH_SIZE, SaveAt, make_trainer, max_rel_diff, state_of
+from tests.lightning.models import BATCH_SIZE, SaveAt, make_trainer, max_rel_diff, result_of, state_of
 
 RTOL = 1e-5
 STEPS = 6
@@ -280,3 +280,8 @@ def assert_equal(expected: dict[str, Tensor], actual: dict[str, Tensor], what: s
         if actual[key].dtype != expected[key].dtype or not torch.equal(actual[key], expected[key])
     ]
     assert not bad, f"{what}: tensors that differ (value or dtype): {bad}"
+
+
+def case_results(runs: dict[Any, Any], world_size: int, *key: Any) -> list[dict[str, Any]]:
+    """Every rank's result of the case ``key`` in the spawn of ``world_size`` ranks (``runs``: the shared spawns)."""
+    return [result_of(result) for result in runs[world_size][key]]

@@ -16,19 +16,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import lightning_zero
-from tests.lightning.lifecycle_cases import HPARAMS, PRECISIONS, STAGES, assert_equal
+from tests.lightning.lifecycle_cases import HPARAMS, PRECISIONS, STAGES, assert_equal, case_results
 from tests.lightning.lifecycle_models import HParamNet
-from tests.lightning.models import result_of, state_of
+from tests.lightning.models import state_of
 
 
 @pytest.fixture(scope="module")
 def runs(lifecycle_runs: dict[Any, Any]) -> dict[Any, Any]:
     """``runs[world_size][case key]``: every rank's result, from the spawns this file shares."""
     return lifecycle_runs
-
-
-def _results(runs: dict[Any, Any], world_size: int, *key: Any) -> list[dict[str, Any]]:
-    return [result_of(result) for result in runs[world_size][key]]
 
 
 def _assert_loads(path: str, masters: dict[str, Tensor], what: str) -> None:
@@ -48,14 +44,14 @@ def test_load_from_checkpoint_opens_a_sharded_directory(
 ) -> None:
     """One line opens a sharded checkpoint of any stage and world size in one process: the class with the saved
     hyper-parameters and the fp32 master weights (bf16-mixed too)."""
-    result = _results(runs, world_size, "save_for_inference", stage, "sharded", precision)[0]
+    result = case_results(runs, world_size, "save_for_inference", stage, "sharded", precision)[0]
     assert Path(result["path"]).is_dir()
     _assert_loads(result["path"], result["masters"], f"{world_size} ranks, stage {stage}, {precision}")
 
 
 def test_load_from_checkpoint_opens_the_best_model_path(runs: dict[Any, Any]) -> None:
     """As a user would: ModelCheckpoint's ``best_model_path`` (a sharded directory at stage 3 on 3 ranks)."""
-    result = _results(runs, 3, "save_for_inference", 3, "sharded", "bf16-mixed", True)[0]
+    result = case_results(runs, 3, "save_for_inference", 3, "sharded", "bf16-mixed", True)[0]
     assert Path(result["path"]).is_dir(), result["path"]
     assert Path(result["path"]).name.endswith("step=4.ckpt"), result["path"]
     _assert_loads(result["path"], result["masters"], "best_model_path")
@@ -64,7 +60,7 @@ def test_load_from_checkpoint_opens_the_best_model_path(runs: dict[Any, Any]) ->
 @pytest.mark.parametrize("strategy", ["ddp", 2])
 def test_load_from_checkpoint_opens_an_ordinary_file_like_lightning(runs: dict[Any, Any], strategy: Any) -> None:
     """An ordinary ``.ckpt`` file (DDP's, or ZeroStrategy's ``state_dict_type="full"``) loads as with Lightning."""
-    result = _results(runs, 2, "save_for_inference", strategy, "full", "32-true")[0]
+    result = case_results(runs, 2, "save_for_inference", strategy, "full", "32-true")[0]
     assert Path(result["path"]).is_file()
     _assert_loads(result["path"], result["masters"], f"{strategy} file")
     reference = HParamNet.load_from_checkpoint(result["path"])
@@ -74,7 +70,7 @@ def test_load_from_checkpoint_opens_an_ordinary_file_like_lightning(runs: dict[A
 def test_load_from_checkpoint_passes_keyword_arguments_on(runs: dict[Any, Any]) -> None:
     """Like ``MyModel.load_from_checkpoint``: ``**kwargs`` override saved hyper-parameters; ``map_location`` and
     ``strict`` are accepted."""
-    result = _results(runs, 2, "save_for_inference", 3, "sharded", "32-true")[0]
+    result = case_results(runs, 2, "save_for_inference", 3, "sharded", "32-true")[0]
     model = lightning_zero.load_from_checkpoint(HParamNet, result["path"], map_location="cpu", strict=True, lr=0.5)
     assert model.hparams.lr == 0.5
     assert model.lr == 0.5
@@ -86,7 +82,7 @@ def test_sharded_checkpoint_readers_given_a_file_point_to_load_from_checkpoint(
     runs: dict[Any, Any], tmp_path: Path
 ) -> None:
     """``ShardedCheckpoint`` and ``consolidate`` expect a directory; given an ordinary file they say what to use."""
-    path = _results(runs, 2, "save_for_inference", "ddp", "full", "32-true")[0]["path"]
+    path = case_results(runs, 2, "save_for_inference", "ddp", "full", "32-true")[0]["path"]
     expected = r"lightning_zero\.load_from_checkpoint|ordinary checkpoint file"
     with pytest.raises(Exception, match=expected):
         lightning_zero.checkpoint.ShardedCheckpoint(path)

@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from tests.lightning.lifecycle_cases import PRECISIONS
-from tests.lightning.models import result_of
+from tests.lightning.lifecycle_cases import PRECISIONS, case_results
 
 
 @pytest.fixture(scope="module")
@@ -20,15 +19,11 @@ def runs(lifecycle_runs: dict[Any, Any]) -> dict[Any, Any]:
     return lifecycle_runs
 
 
-def _results(runs: dict[Any, Any], world_size: int, *key: Any) -> list[dict[str, Any]]:
-    return [result_of(result) for result in runs[world_size][key]]
-
-
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_zero_precision_has_a_device_string_like_mixed_precision(runs: dict[Any, Any], precision: str) -> None:
     """Code written for Lightning's MixedPrecision reads ``trainer.precision_plugin.device`` (a string)."""
     assert isinstance(MixedPrecision("bf16-mixed", "cpu").device, str)  # what such code expects
-    for rank, result in enumerate(_results(runs, 2, "device", precision)):
+    for rank, result in enumerate(case_results(runs, 2, "device", precision)):
         assert "device_error" not in result, f"rank {rank}: {result.get('device_error')}"
         assert result["same_plugin"], f"rank {rank}: trainer.precision_plugin is not the strategy's"
         assert result["device"] == "cpu", f"rank {rank}: device {result['device']!r}"

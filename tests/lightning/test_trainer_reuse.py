@@ -12,19 +12,24 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from tests.lightning.lifecycle_cases import CKPT_TYPES, RTOL, STAGES, STEPS, VAL_SAMPLES, VAL_SEED, assert_close
+from tests.lightning.lifecycle_cases import (
+    CKPT_TYPES,
+    RTOL,
+    STAGES,
+    STEPS,
+    VAL_SAMPLES,
+    VAL_SEED,
+    assert_close,
+    case_results,
+)
 from tests.lightning.lifecycle_models import HParamNet, regression_data
-from tests.lightning.models import max_rel_diff, result_of, state_of
+from tests.lightning.models import max_rel_diff, state_of
 
 
 @pytest.fixture(scope="module")
 def runs(lifecycle_runs: dict[Any, Any]) -> dict[Any, Any]:
     """``runs[world_size][case key]``: every rank's result, from the spawns this file shares."""
     return lifecycle_runs
-
-
-def _results(runs: dict[Any, Any], world_size: int, *key: Any) -> list[dict[str, Any]]:
-    return [result_of(result) for result in runs[world_size][key]]
 
 
 def _probed_state(probed: dict[str, Any], what: str) -> dict[str, Tensor]:
@@ -46,7 +51,7 @@ def _validation_loss(state: dict[str, Tensor]) -> float:
 def test_validate_other_model_from_checkpoint_after_fit(runs: dict[Any, Any], stage: int, ckpt: str) -> None:
     """``trainer.validate(other, ckpt_path=path)`` after ``trainer.fit(model)`` validates ``other`` with the
     checkpoint's weights, and leaves ``model`` as fit left it (readable at rest, at stage 3 too)."""
-    results = _results(runs, 2, "validate_other", stage, ckpt)
+    results = case_results(runs, 2, "validate_other", stage, ckpt)
     expected = _validation_loss(results[0]["saved"])
     for other in (_validation_loss(results[0]["fitted"]), _validation_loss(results[0]["other_initial"])):
         assert abs(other - expected) > 1e-3 * expected, "the checkpoint's loss is not told apart from the others"
@@ -62,9 +67,9 @@ def test_validate_other_model_from_checkpoint_after_fit(runs: dict[Any, Any], st
 def test_second_fit_on_the_same_trainer_trains_the_new_model(runs: dict[Any, Any], strategy: Any) -> None:
     """``trainer.fit(model_b)`` after ``trainer.fit(model_a)`` trains model_b as a Trainer of its own would (DDP),
     and model_a keeps the parameters its fit left, readable at rest."""
-    alone = _results(runs, 2, "fit_twice", "ddp", True)
+    alone = case_results(runs, 2, "fit_twice", "ddp", True)
     assert max(max_rel_diff(state_of(HParamNet(seed=1)), alone[0]["b"]).values()) > 1e-3  # model_b trained
-    results = _results(runs, 2, "fit_twice", strategy, False)
+    results = case_results(runs, 2, "fit_twice", strategy, False)
     for rank, (expected, result) in enumerate(zip(alone, results, strict=True)):
         assert result["global_step"] == 2 * STEPS, f"rank {rank}"
         assert_close(expected["b"], result["b"], f"rank {rank}: model_b vs DDP fitting model_b alone")
