@@ -33,12 +33,6 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
     ),
 }
 
-# Options that the contract names and the core does not implement yet; each maps to the issue that
-# builds it, so the error can say so instead of silently ignoring the option.
-_NOT_YET_BUILT = {
-    "shard_size": ("the hybrid sharding issue", "Use shard_size=None for now."),
-}
-
 
 @dataclass(frozen=True, slots=True)
 class ZeroConfig:
@@ -46,7 +40,6 @@ class ZeroConfig:
     Lightning side's here."""
 
     engine: EngineOptions = field(default_factory=EngineOptions)
-    shard_size: int | None = None
     activation_checkpointing: Any = None
     state_dict_type: str = "sharded"
     process_group_backend: str | None = None
@@ -60,14 +53,9 @@ class ZeroConfig:
         if self.process_group_backend is not None:
             check_choice("process_group_backend", self.process_group_backend, BACKENDS, "process_group_backend=None")
         check_bool("weighted_loss", self.weighted_loss)
-        if self.shard_size is not None and (
-            isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int) or self.shard_size < 1
-        ):
-            raise ValueError(f"shard_size must be a positive int or None, got {self.shard_size!r}.")
         self._check_timeout()
         policy = resolve_policy("activation_checkpointing", self.activation_checkpointing)
         object.__setattr__(self, "activation_checkpointing", policy)
-        self._check_built()
 
     def _check_timeout(self) -> None:
         if not isinstance(self.timeout, timedelta):
@@ -77,18 +65,6 @@ class ZeroConfig:
                 f"timeout must be positive, got {self.timeout!r}: every collective would fail at once. The default "
                 "is timedelta(minutes=30)."
             )
-
-    def _check_built(self) -> None:
-        requested = {
-            "shard_size": self.shard_size is not None,
-        }
-        for option, asked in requested.items():
-            if asked:
-                tracked, instead = _NOT_YET_BUILT[option]
-                raise NotImplementedError(
-                    f"ZeroStrategy({option}) is part of the contract but not built yet (tracked in {tracked}). "
-                    f"{instead}"
-                )
 
     def describe(self) -> dict[str, Any]:
         """Every option that every rank must agree on, as plain values, by its ``ZeroStrategy`` keyword (for the

@@ -110,8 +110,8 @@ class ZeroStrategy(ParallelStrategy):
                 offload_params=offload_params,
                 nvme_path=nvme_path,
                 partition=partition,
+                shard_size=shard_size,
             ),
-            shard_size=shard_size,
             activation_checkpointing=activation_checkpointing,
             state_dict_type=state_dict_type,
             process_group_backend=process_group_backend,
@@ -199,7 +199,7 @@ class ZeroStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self.process_group_backend, timeout=self.config.timeout, device_id=device_id
         )
-        self.session.comm = Communicator()
+        self.session.comm = Communicator(ranks_per_node=self.num_processes)
         destroy_groups_at_exit()  # see [Note: destroying the groups when a rank ends] in launcher.py
 
     def set_world_ranks(self) -> None:

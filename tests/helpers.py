@@ -60,6 +60,7 @@ class _Launch:
     threads: int
     device_type: str
     timeout_s: float
+    per_node: int
 
 
 def run_on_ranks(
@@ -71,6 +72,7 @@ def run_on_ranks(
     env: dict[str, str] | None = None,
     device_type: str = "cpu",
     timeout_s: float = TIMEOUT_S,
+    nodes: int = 1,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return each rank's result.
 
@@ -80,13 +82,16 @@ def run_on_ranks(
     threads. With ``init_group`` the default group is created before ``fn`` runs: gloo's for
     ``device_type="cpu"``, NCCL's for ``"cuda"`` (rank ``r`` on ``cuda:r``, one node). An exception on any rank
     fails the call with that rank's traceback; so does a rank that dies or has not answered after
-    ``timeout_s`` seconds (also the group's collective timeout).
+    ``timeout_s`` seconds (also the group's collective timeout). ``nodes`` numbers the ranks as a launch on that
+    many nodes would (LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK), all on this machine's loopback.
     """
+    if world_size % nodes:
+        raise ValueError(f"nodes={nodes} does not divide world_size={world_size}")
     if device_type not in BACKENDS:
         raise ValueError(f"device_type={device_type!r}: expected one of {sorted(BACKENDS)}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    launch = _Launch(init_group, threads, device_type, timeout_s)
+    launch = _Launch(init_group, threads, device_type, timeout_s, world_size // nodes)
     port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, launch, queue))
@@ -153,11 +158,11 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
-        LOCAL_RANK=str(rank),
+        LOCAL_RANK=str(rank % launch.per_node),
         WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        NODE_RANK="0",
-        GROUP_RANK="0",
+        LOCAL_WORLD_SIZE=str(launch.per_node),
+        NODE_RANK=str(rank // launch.per_node),
+        GROUP_RANK=str(rank // launch.per_node),
     )
     torch.set_num_threads(launch.threads)
     try:

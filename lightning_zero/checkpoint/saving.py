@@ -5,7 +5,9 @@ Layout of ``path/`` (see docs/checkpoints.md)::
 
     metadata.json   rank 0: format version, world size, stage, per-tensor shape/dtype/ranges, optimizers
     lightning.pt    rank 0: the caller's extra state (Lightning's loops, callbacks, schedulers, ...)
-    rank_{r}.pt     rank r: the elements it owns of every tensor and of the optimizer state
+    rank_{r}.pt     rank r: the elements it owns of every tensor and of the optimizer state (with hybrid sharding
+                    ``r`` is the rank in the shard group, and only the first shard group writes: the other groups
+                    hold the same shards; see [Note: hybrid sharding])
 
 [Note: committing a sharded save]
 Every rank writes (and fsyncs) its file into ``path.tmp-<id>``; rank 0 adds metadata.json last. The ranks then
@@ -61,7 +63,7 @@ def save_sharded(
 ) -> None:
     """Write an engine's shards (optimizer state too with ``optimizers``) and rank 0's ``extra`` to the directory
     ``path`` (collective). All or nothing, on every rank: see [Note: committing a sharded save]."""
-    comm = state.comm
+    comm, shard = state.world, state.comm  # every rank agrees; the shard group's ranks write (one replica)
     path = Path(path)
     token = comm.all_gather_object(uuid.uuid4().hex[:12] if comm.rank == 0 else None)[0]
     tmp = path.with_name(f"{path.name}.tmp-{token}")
@@ -69,11 +71,12 @@ def save_sharded(
     digests: dict[str, dict[str, int]] = {}
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        with state.saving():  # offloaded state streamed from the swap file, not copied into memory
-            rank_state = named.collect_rank_state(state, comm.rank, optimizers)
-            mine = {"rank": comm.rank, "world_size": comm.world_size, **rank_state}
-            digests[rank_file(comm.rank)] = _write(tmp / rank_file(comm.rank), mine)
-            del rank_state, mine
+        if state.writes:
+            with state.saving():  # offloaded state streamed from the swap file, not copied into memory
+                rank_state = named.collect_rank_state(state, shard.rank, optimizers)
+                mine = {"rank": shard.rank, "world_size": shard.world_size, **rank_state}
+                digests[rank_file(shard.rank)] = _write(tmp / rank_file(shard.rank), mine)
+                del rank_state, mine
         if comm.rank == 0:
             digests[LIGHTNING_FILE] = _write(tmp / LIGHTNING_FILE, extra)
     except Exception as error:  # agreed below, then raised on every rank
@@ -85,7 +88,7 @@ def save_sharded(
         try:
             metadata = build_metadata(
                 version=version,
-                world_size=comm.world_size,
+                world_size=shard.world_size,
                 stage=state.stage,
                 partition=partition,
                 precision=precision,

@@ -27,7 +27,7 @@ class BackwardPass:
 
     Args:
         model: the buffer groups, steps and scheduler.
-        comm: the shard group.
+        comm: every rank (the end-of-backward agreements).
         overlap_comm: reduce buckets while backward still runs.
         stage: 1 keeps full local gradients inside :meth:`no_sync`; 2 and 3 reduce in every backward.
         scaling: the fp16 loss scale and the loss weights.

@@ -76,7 +76,7 @@ class ZeroEngine:
             on one rank).
         optimizers: the user's optimizers over ``module``'s parameters (a parameter may be in several).
         options: how to shard.
-        comm: the ranks that share the state.
+        comm: every rank of the job (with ``options.shard_size`` the engine splits it, see [Note: hybrid sharding]).
         device: where sharded tensors live (default: the parameters' device).
         precision: the dtypes held (default: the parameters' own, no master copy).
         loss_scaler: fp16 dynamic loss scaling, decided by all ranks together.
@@ -103,17 +103,27 @@ class ZeroEngine:
         names = {param: name for name, param in module.named_parameters()}
         setup.check_optimizers(self.optimizers, names, options.partition)
         # The first collective of setup, then everything that depends on an option: see [Note: the order of collectives]
-        setup.agree_on_model(comm, module, self.optimizers, setup.describe(options, self.policy, agree_also))
-        self.topology = Topology.build(comm, options.stage)  # groups are created only once the ranks agree
+        setup.agree_on_model(comm, module, self.optimizers, setup.describe(options, self.policy, agree_also, comm))
+        # Groups are created only once the ranks agree (see [Note: hybrid sharding]).
+        self.topology = Topology.build(comm, options.stage, options.shard_size)
+        shard = self.topology.shard
         if options.stage < 3:
             setup.broadcast_module_states(module, comm)
-        offload = setup.build_offload(options, module, self.optimizers, comm)
-        self.model = ShardedModel(module, self.optimizers, comm, offload, options.stage)
-        self.owners = OwnerPlan(comm.world_size) if options.partition == "parameter" else None
+        offload = setup.build_offload(options, module, self.optimizers, self.topology)
+        self.model = ShardedModel(module, self.optimizers, self.topology, offload, options.stage)
+        self.owners = OwnerPlan(shard.world_size) if options.partition == "parameter" else None
         setup.assign_owners(self.owners, self.model, options.stage)
         bucket_type = FullGradBucket if options.stage == 1 else ShardGradBucket
         self.packer = Packer(
-            module, names, comm, self.device, self.policy, options.bucket_cap_bytes, bucket_type, offload, self.owners
+            module,
+            names,
+            self.topology,
+            self.device,
+            self.policy,
+            options.bucket_cap_bytes,
+            bucket_type,
+            offload,
+            self.owners,
         )
         self._state_dict_hooks = []  # stage 3: state_dict() in gathered() copies
         if options.stage == 3:
@@ -130,7 +140,7 @@ class ZeroEngine:
         self.last_step_comm = CommStats()
         take_comm = lambda: setattr(self, "last_step_comm", self.topology.take_stats())  # noqa: E731
         self.model.steps = [
-            OptimizerStep(o, [], comm, self.device, self.scaling, take_comm, self.loss_weights.agree)
+            OptimizerStep(o, [], self.topology, self.device, self.scaling, take_comm, self.loss_weights.agree)
             for o in self.optimizers
         ]
         setup.bind_optimizers(self.model)
@@ -154,7 +164,9 @@ class ZeroEngine:
     def _take_changes(self) -> None:
         """Shard the parameters that became trainable in an optimizer since setup (collective)."""
         setup.check_optimizers(self.optimizers, self.model.names, self.options.partition)
-        setup.agree_on_model(self.comm, self.module, self.optimizers, setup.describe(self.options, self.policy, ()))
+        setup.agree_on_model(
+            self.comm, self.module, self.optimizers, setup.describe(self.options, self.policy, (), self.comm)
+        )
         setup.assign_owners(self.owners, self.model, self.options.stage)
         if self.options.stage == 3:
             optimized = {id(p) for p in setup.optimized(self.optimizers)}

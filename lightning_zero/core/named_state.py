@@ -92,7 +92,9 @@ class NamedState:
 
     def __init__(self, model: ShardedModel) -> None:
         self._model = model
-        self.comm = model.comm  # the ranks that hold the shards
+        self.comm = model.comm  # the ranks that hold the shards (the shard group)
+        self.world = model.topology.world  # every rank (agreements)
+        self.writes = model.topology.writes  # whether this rank writes checkpoint files (one replica does)
         self.stage = model.stage
 
     def tensors(self) -> list[ShardedTensor]:

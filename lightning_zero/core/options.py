@@ -43,6 +43,8 @@ class EngineOptions:
         nvme_path: the directory of each rank's swap file (``offload_optimizer="nvme"``).
         partition: ``"flat"``: element ranges of flat buffers per rank; ``"parameter"``: each trained tensor owned
             whole by one rank (see [Note: owner layout]).
+        shard_size: hybrid sharding: shard inside groups of this many consecutive ranks (e.g. one node's) and
+            replicate across the groups; ``None``: shard over every rank (see [Note: hybrid sharding]).
     """
 
     stage: int = 2
@@ -53,6 +55,7 @@ class EngineOptions:
     offload_params: OffloadTarget = False
     nvme_path: str | None = None
     partition: str = "flat"
+    shard_size: int | None = None
 
     def __post_init__(self) -> None:
         check_choice("stage", self.stage, STAGES, "stage=2")
@@ -60,6 +63,7 @@ class EngineOptions:
         check_choice("partition", self.partition, PARTITIONS, "partition='flat'")
         check_bucket_cap_mb(self.bucket_cap_mb)
         check_bool("overlap_comm", self.overlap_comm)
+        check_shard_size(self.shard_size)
         object.__setattr__(self, "wrap_policy", resolve_policy("wrap_policy", self.wrap_policy))
 
     def _check_offload(self) -> None:
@@ -98,7 +102,24 @@ class EngineOptions:
             "offload_optimizer": self.offload_optimizer,
             "offload_params": self.offload_params,
             "partition": self.partition,
+            "shard_size": self.shard_size,
         }
+
+
+def check_shard_size(value: Any, world_size: int | None = None) -> None:
+    """Raise a ``ValueError`` unless ``value`` is ``None`` or a positive int (dividing ``world_size`` where given)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"shard_size must be a positive int or None, got {value!r}. Use the number of processes per node, "
+            "or None to shard over every rank."
+        )
+    if world_size is not None and world_size % value:
+        raise ValueError(
+            f"shard_size={value} does not divide the world size {world_size}: the ranks split into groups of "
+            "shard_size. Use a divisor of the world size, typically the number of processes per node, or None."
+        )
 
 
 def check_choice(name: str, value: Any, allowed: tuple[Any, ...], example: str | None = None) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_zero.core.comm import Communicator
+from lightning_zero.core.comm.topology import Topology
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer, ReplicatedBuffer, ShardedBuffer
 from lightning_zero.core.layout.owners import OwnerPlan
 from lightning_zero.core.layout.pieces import plan_buckets
@@ -28,6 +29,7 @@ from lightning_zero.core.options import WrapPolicy
 from lightning_zero.core.shards import BufferGroup
 from lightning_zero.core.stage3.units import GatherUnit, assign_params, initialise, materialize_buffers, select_units
 from lightning_zero.core.step.buckets import GradBucket
+from lightning_zero.core.step.reduction import GradientReduction
 from lightning_zero.core.step.shard_bucket import ShardGradBucket
 from lightning_zero.core.store.offload import Offload
 from lightning_zero.core.store.stores import InPlaceStore, MasterStore, ShardStore
@@ -39,7 +41,7 @@ class Packer:
     Args:
         module: the model (for its parameter order and batch-norm layers).
         names: every parameter's (first) name.
-        comm: the shard group.
+        topology: the groups (shards over ``topology.shard``; rank 0 of ``topology.world`` gives the values).
         device: where sharded tensors live.
         policy: the dtypes held.
         bucket_cap_bytes: the size of a stage-1/2 bucket.
@@ -52,7 +54,7 @@ class Packer:
         self,
         module: nn.Module,
         names: dict[nn.Parameter, str],
-        comm: Communicator,
+        topology: Topology,
         device: torch.device,
         policy: PrecisionPolicy,
         bucket_cap_bytes: int,
@@ -63,7 +65,8 @@ class Packer:
         self.module = module
         self.owners = owners
         self.names = names
-        self.comm = comm
+        self.shard, self.world = topology.shard, topology.world
+        self.reduction = GradientReduction(topology.shard, topology.replicate)
         self.device = device
         self.policy = policy
         self.bucket_cap_bytes = bucket_cap_bytes
@@ -97,9 +100,9 @@ class Packer:
         reduce_dtype = self.policy.reduce_dtype if isinstance(store, MasterStore) or widened else None
         resting = self.offload.gradient_resting() if store.paged else None
         bucket = (
-            ShardGradBucket(buffer, self.comm, reduce_dtype, resting)
+            ShardGradBucket(buffer, self.reduction, reduce_dtype, resting)
             if resting
-            else self.bucket_type(buffer, self.comm, reduce_dtype)
+            else self.bucket_type(buffer, self.reduction, reduce_dtype)
         )
         return BufferGroup(buffer, store, bucket, unit)
 
@@ -114,7 +117,7 @@ class Packer:
         planned.sort(key=lambda members: order[members[0]])
         packed: list[BufferGroup] = []
         for members in planned:
-            buffer = ReplicatedBuffer(members, self.comm.rank, self.comm.world_size, owners=self._owners(members))
+            buffer = ReplicatedBuffer(members, self.shard.rank, self.shard.world_size, owners=self._owners(members))
             packed.append(self.group(buffer, self.store_for(buffer, optimized=True)))
         return packed
 
@@ -139,7 +142,7 @@ class Packer:
             packed.extend(self.group(buffer, store, unit) for buffer, store in zip(buffers, stores, strict=True))
         with torch.no_grad():
             for tensor in self.module.buffers():
-                self.comm.broadcast(tensor, src=0)
+                self.world.broadcast(tensor, src=0)
         # Launch order: the last unit's buckets first (backward meets it first), the root's last. The root holds what
         # is used both first and last in forward (a tied embedding and output head, position embeddings): its
         # gradients complete at the very end of backward, and a bucket launches only after those before it, so a
@@ -181,8 +184,8 @@ class Packer:
         return [
             ShardedBuffer(
                 same,
-                self.comm.rank,
-                self.comm.world_size,
+                self.shard.rank,
+                self.shard.world_size,
                 device=self.device,
                 shard_home=self.offload.shard_home,
                 resting=self.offload.resting(),
@@ -194,7 +197,7 @@ class Packer:
 
     def _commit(self, buffer: ShardedBuffer, optimized: set[int]) -> ShardStore | None:
         """Rank 0's values everywhere (whatever each rank's RNG did), the store chosen, only the shard kept."""
-        self.comm.broadcast(buffer.data, src=0)
+        self.world.broadcast(buffer.data, src=0)
         store = None
         if buffer.params[0].requires_grad:
             store = self.store_for(buffer, optimized=any(id(p) in optimized for p in buffer.params))

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm import Communicator
+from lightning_zero.core.comm.topology import Topology
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
 from lightning_zero.core.layout.optim_state import shard_param_state
 from lightning_zero.core.layout.owners import OwnerPlan
@@ -64,28 +65,31 @@ def agree_on_model(
 
 
 def describe(
-    options: EngineOptions, policy: PrecisionPolicy, agree_also: Sequence[tuple[str, object]]
+    options: EngineOptions, policy: PrecisionPolicy, agree_also: Sequence[tuple[str, object]], comm: Communicator
 ) -> list[tuple[str, object]]:
-    """The options every rank must agree on: the engine's, the dtypes and the caller's own."""
-    return sorted(options.describe().items()) + list(policy.describe().items()) + list(agree_also)
+    """The options every rank must agree on: the engine's, the dtypes and the caller's own; with ``shard_size`` also
+    the ranks per node (the shard groups are laid out by it)."""
+    layout = [("ranks_per_node", comm.ranks_per_node)] if options.shard_size is not None else []
+    return sorted(options.describe().items()) + list(policy.describe().items()) + layout + list(agree_also)
 
 
 def build_offload(
-    options: EngineOptions, module: nn.Module, optimizers: Sequence[Optimizer], comm: Communicator
+    options: EngineOptions, module: nn.Module, optimizers: Sequence[Optimizer], topology: Topology
 ) -> Offload:
-    """Check what offload needs of every rank's machine (collective) and open the rank's swap file; without offload
-    the do-nothing :class:`Offload`."""
+    """Check what offload needs of every rank's machine (collective) and open the rank's swap file (named by its
+    global rank); without offload the do-nothing :class:`Offload`."""
+    comm, shards = topology.world, topology.shard.world_size
     if not (options.offload_optimizer or options.offload_params):
         return Offload(False, False, None, comm.rank)
     needs = {"cpu": 0, "nvme": 0}  # bytes a rank keeps on the host / in its swap file
     if options.offload_optimizer:
-        needs[options.offload_optimizer] += offloaded_bytes_per_rank(optimizers, comm.world_size)
+        needs[options.offload_optimizer] += offloaded_bytes_per_rank(optimizers, shards)
         prefer_fused_kernels(list(optimizers))
     if options.offload_params == "nvme":
         nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
         if options.offload_optimizer == "nvme":  # gradients rest there too: the held one and an accumulation
             nbytes += 2 * sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        needs["nvme"] += -(-nbytes // comm.world_size)
+        needs["nvme"] += -(-nbytes // shards)
     for target in ("cpu", "nvme"):
         if needs[target] or options.offload_optimizer == target:  # the same checks on every rank
             check_offload(target, options.nvme_path, needs[target], comm)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.core.comm import Communicator
+from lightning_zero.core.comm.topology import Topology
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
 from lightning_zero.core.layout.resting import RestingParameter, engine_access
 from lightning_zero.core.memory import MemoryReport, tensor_nbytes
@@ -62,19 +62,20 @@ class ShardedModel:
     Args:
         module: the model.
         optimizers: the user's optimizers over it.
-        comm: the shard group.
+        topology: the groups (``comm``: the shard group, over which the buffers are sharded).
         offload: where offloaded states live (its do-nothing form without offload).
         stage: the ZeRO stage (1 to 3).
     """
 
     def __init__(
-        self, module: nn.Module, optimizers: list[Optimizer], comm: Communicator, offload: Offload, stage: int
+        self, module: nn.Module, optimizers: list[Optimizer], topology: Topology, offload: Offload, stage: int
     ) -> None:
         self.module = module
         self.stage = stage
         self.names = {param: name for name, param in module.named_parameters()}
         self.optimizers = optimizers
-        self.comm = comm
+        self.topology = topology
+        self.comm = topology.shard
         self.offload = offload
         self.groups: list[BufferGroup] = []
         self.steps: list[OptimizerStep] = []

@@ -6,6 +6,13 @@ all-gather or reduce-scatter of a Ψ-element fp32 buffer counts 4Ψ bytes, an al
 (it is a reduce-scatter plus an all-gather). In these units DDP moves 2Ψ elements a step, ZeRO
 stages 1 and 2 also 2Ψ, and stage 3 3Ψ, as in the ZeRO paper (section 7).
 
+Each count is also split by where it travels: ``intra_node_bytes`` with ranks of this rank's node, ``inter_node_bytes``
+with ranks of other nodes (a node: ``ranks_per_node`` consecutive global ranks, as every launcher numbers them). A
+collective's bytes are taken as spread evenly over the group's other ranks (what ring and pairwise algorithms send
+to each peer on average), so a group with ``s`` other ranks on this node out of ``p`` others counts ``s/p`` of its
+bytes inside the node. A group inside one node (hybrid sharding's shard group) counts everything inside, the
+replicate group of one rank per node everything across; a flat group of 2 nodes x 2 ranks one third inside.
+
 [Note: host tensors on NCCL]
 NCCL takes device tensors only, but with offload the fp32 masters, optimizer state and their gradients rest on the
 host, and a full state dict, ``release()`` or a clipping norm gathers or reduces them. A collective whose tensors
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import pickle
 import weakref
 from collections.abc import Callable, Sequence
@@ -72,35 +80,64 @@ class CommStats:
     nbytes: int = 0
     calls: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
+    intra_node_bytes: int = 0
+    inter_node_bytes: int = 0
+    intra_share: tuple[int, int] = (1, 1)  # this group's peers on this rank's node, of all its peers
 
     def add(self, op: str, nbytes: int) -> None:
         self.nbytes += nbytes
         self.calls += 1
         self.by_op[op] = self.by_op.get(op, 0) + nbytes
+        intra = nbytes * self.intra_share[0] // self.intra_share[1]
+        self.intra_node_bytes += intra
+        self.inter_node_bytes += nbytes - intra
 
     def merged(self, other: CommStats) -> CommStats:
         """The counts of both (e.g. the shard group's and the stage-3 gather group's)."""
         by_op = dict(self.by_op)
         for op, nbytes in other.by_op.items():
             by_op[op] = by_op.get(op, 0) + nbytes
-        return CommStats(self.nbytes + other.nbytes, self.calls + other.calls, by_op)
+        return CommStats(
+            self.nbytes + other.nbytes,
+            self.calls + other.calls,
+            by_op,
+            self.intra_node_bytes + other.intra_node_bytes,
+            self.inter_node_bytes + other.inter_node_bytes,
+        )
 
     def reset(self) -> CommStats:
         """Return the counts so far and start again from zero."""
-        snapshot = CommStats(self.nbytes, self.calls, dict(self.by_op))
-        self.nbytes, self.calls, self.by_op = 0, 0, {}
+        snapshot = CommStats(self.nbytes, self.calls, dict(self.by_op), self.intra_node_bytes, self.inter_node_bytes)
+        self.nbytes, self.calls, self.by_op, self.intra_node_bytes, self.inter_node_bytes = 0, 0, {}, 0, 0
         return snapshot
 
 
 class Communicator:
-    """Named collectives over one process group, each counted in :attr:`stats`."""
+    """Named collectives over one process group, each counted in :attr:`stats`.
 
-    def __init__(self, group: dist.ProcessGroup | None = None, notices: FailureNotices | None = None) -> None:
+    Args:
+        group: the process group (``None``: every rank).
+        notices: where a rank that raised says so (default: the job's store, for gloo).
+        ranks_per_node: how many consecutive global ranks share a node (default: ``LOCAL_WORLD_SIZE`` as torchrun
+            and Lightning set it, else every rank on one node); only the byte counts by node read it.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        notices: FailureNotices | None = None,
+        ranks_per_node: int | None = None,
+    ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.global_rank = dist.get_rank()  # names this process in errors
         self.world_size = dist.get_world_size(group)
-        self.stats = CommStats()
+        self.ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))  # global ranks, by group rank
+        self.ranks_per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        node = self.global_rank // self.ranks_per_node
+        peers = [rank for rank in self.ranks if rank != self.global_rank]
+        same_node = sum(1 for rank in peers if rank // self.ranks_per_node == node)
+        self.stats = CommStats(intra_share=(same_node, len(peers)) if peers else (1, 1))
         backend = dist.get_backend(group)
         # gloo implements the single-tensor reduce-scatter as a copy plus a full all-reduce (measured 1.8x
         # slower on a 25 MiB bucket, docs/benchmarks.md); its list form is a real reduce-scatter.
@@ -120,11 +157,28 @@ class Communicator:
         Collectives are matched in issue order per group, so two independent streams of collectives (stage-3
         gathers and gradient reductions) each need their own group. See core/comm/topology.py."""
         if self._companion is None:
-            ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
-            # With the parent's timeout: new_group's default (30 minutes) would let a hung rank stall the gathers.
-            group = dist.new_group(ranks, timeout=_timeout_of(self.group))
-            self._companion = Communicator(group, notices=self.notices)
+            self._companion = self._subgroup(list(self.ranks))
+        assert self._companion is not None
         return self._companion
+
+    def split(self, groups: Sequence[Sequence[int]]) -> Communicator:
+        """A communicator over the one of ``groups`` (lists of global ranks that cover this group's ranks) that holds
+        this rank. Collective: every rank creates every group, in the order given (``new_group`` is a collective)."""
+        mine = None
+        for ranks in groups:
+            made = self._subgroup(list(ranks))
+            mine = made if self.global_rank in ranks else mine
+        if mine is None:
+            raise ValueError(f"rank {self.global_rank} is in none of the groups {[list(g) for g in groups]}")
+        return mine
+
+    def _subgroup(self, ranks: list[int]) -> Communicator | None:
+        """A new group over ``ranks`` (collective over this group's ranks), its communicator where this rank is in."""
+        # With the parent's timeout: new_group's default (30 minutes) would let a hung rank stall the collectives.
+        group = dist.new_group(ranks, timeout=_timeout_of(self.group))
+        if self.global_rank not in ranks:
+            return None
+        return Communicator(group, notices=self.notices, ranks_per_node=self.ranks_per_node)
 
     def _on_host(self, *tensors: Tensor) -> bool:
         """A tensor of the collective rests on the host while the backend (NCCL) takes device tensors only."""
@@ -173,17 +227,21 @@ class Communicator:
         work = self._guarded(what, _all_gather_single, output, input, group=self.group, async_op=True)
         return _finish(work, async_op)
 
-    def all_reduce(self, tensor: Tensor, op: str = "sum", counted: bool = True) -> None:
-        """Reduce ``tensor`` over the ranks in place (``counted=False``: not the engine's, e.g. a logged metric)."""
+    def all_reduce(
+        self, tensor: Tensor, op: str = "sum", counted: bool = True, label: str = "all_reduce", async_op: bool = False
+    ) -> Work | None:
+        """Reduce ``tensor`` over the ranks in place, counted under ``label`` (``counted=False``: not the engine's,
+        e.g. a logged metric)."""
         if self._on_host(tensor):  # see [Note: host tensors on NCCL]
             staged = tensor.to(self._nccl_device)
-            self.all_reduce(staged, op, counted)
+            self.all_reduce(staged, op, counted, label)
             tensor.copy_(staged)
-            return
+            return UnevenWork([]) if async_op else None  # type: ignore[return-value]
         if counted:
-            self.stats.add("all_reduce", 2 * tensor.numel() * tensor.element_size())
+            self.stats.add(label, 2 * tensor.numel() * tensor.element_size())
         what = self._what("all-reduce", tensor)
-        self._guarded(what, dist.all_reduce, tensor, op=_REDUCE_OPS[op], group=self.group, async_op=True).wait()
+        work = self._guarded(what, dist.all_reduce, tensor, op=_REDUCE_OPS[op], group=self.group, async_op=True)
+        return _finish(work, async_op)
 
     def broadcast(self, tensor: Tensor, src: int = 0) -> None:
         """Overwrite ``tensor`` with rank ``src``'s (``src`` is a rank of this group)."""

@@ -1,17 +1,33 @@
 """Which ranks talk: the process groups an engine uses, created once and named by their job.
 
-The shard group carries every reduction and agreement. Stage 3 gathers unit parameters over a second group of
-the same ranks, so that the order of gathers (fixed by the order units run in) and the order of gradient
-reductions (fixed by bucket index) never have to interleave identically on every rank: a rank whose backward
+[Note: hybrid sharding]
+With ``shard_size=k`` (FSDP's HYBRID_SHARD, DeepSpeed's MiCS) the N ranks split into N/k *shard groups* of k
+consecutive ranks (one node's, as launchers number ranks node by node) and k *replicate groups* of the ranks that
+hold the same shard (ranks ``i, i+k, i+2k, ...``). Every state is sharded over the shard group, as over all ranks
+without ``shard_size``, and replicated across the replicate group. A bucket's gradients are divided by N,
+reduce-scattered inside the shard group, and each shard is then all-reduced across the replicate group, so the
+only collective that crosses nodes is that all-reduce of Ψ/k elements per rank (plus the small agreements). Clip
+norms and parameter gathers run in the shard group (each element counted once), agreements (options, used
+parameters, fp16 overflow, hyper-parameters, token counts) in the world group, so every rank still takes part in
+them. Checkpoints are written by the first shard group (``Topology.writes``) and read by any layout.
+
+The ranks agree on ``shard_size`` (and the node layout) before any group is created, and every rank creates every
+group in the same order (``new_group`` is itself a collective): the shard groups in rank order, then the replicate
+groups, then stage 3's gather group.
+
+Stage 3 gathers unit parameters over a group of its own (the shard group's ranks again), so that the order of
+gathers (fixed by the order units run in) and the order of gradient reductions (fixed by bucket index) never have to interleave identically on every rank: a rank whose backward
 needs fewer units than another's still issues the same gathers and the same reductions, each in its own order
 (see [Note: stage-3 backward plan]).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from lightning_zero.core.comm.communicator import CommStats, Communicator
+from lightning_zero.core.options import check_shard_size
 
 
 @dataclass(frozen=True)
@@ -19,23 +35,65 @@ class Topology:
     """The communicators of one engine.
 
     Attributes:
-        shard: the ranks that split the state; reductions, agreements and stage-1/2 parameter gathers.
-        gather: the same ranks in a group of their own for stage-3 unit gathers (``shard`` below stage 3).
+        world: every rank: agreements, the first broadcast of the model, token counts.
+        shard: the ranks that split the state (``world`` without ``shard_size``): reductions, clip norms, stage-1/2
+            parameter gathers, checkpoint layouts.
+        gather: the shard group's ranks in a group of their own for stage-3 unit gathers (``shard`` below stage 3).
+        replicate: the ranks holding the same shard in other shard groups (``None`` without ``shard_size``).
     """
 
+    world: Communicator
     shard: Communicator
     gather: Communicator
+    replicate: Communicator | None = None
 
     @classmethod
-    def build(cls, shard: Communicator, stage: int) -> Topology:
-        """A topology over ``shard``'s ranks (collective at stage 3 the first time: it creates a group)."""
-        if stage < 3:
-            return cls(shard, shard)
-        return cls(shard, shard.companion())
+    def build(cls, world: Communicator, stage: int, shard_size: int | None = None) -> Topology:
+        """The groups for ``stage`` and ``shard_size`` (collective: it creates groups). Call it only once the ranks
+        agree on both (see [Note: hybrid sharding])."""
+        check_shard_size(shard_size, world.world_size)
+        if shard_size is None or shard_size == world.world_size:
+            return cls(world, world, world if stage < 3 else world.companion())
+        _check_node_layout(world, shard_size)
+        n, k = world.world_size, shard_size
+        shards = [world.ranks[g * k : (g + 1) * k] for g in range(n // k)]
+        shard = world.split(shards)
+        replicate = world.split([world.ranks[i::k] for i in range(k)])
+        # Every rank creates every group (new_group is a collective of all ranks), so stage 3's gather groups are
+        # created as a second split, not as each shard group's companion.
+        return cls(world, shard, shard if stage < 3 else world.split(shards), replicate)
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes checkpoint files: the ranks of the first shard group (one replica)."""
+        return self.replicate is None or self.replicate.rank == 0
 
     def take_stats(self) -> CommStats:
         """What every group of the topology sent since the last call (and start counting again)."""
-        stats = self.shard.stats.reset()
-        if self.gather is not self.shard:
-            stats = stats.merged(self.gather.stats.reset())
+        stats = self.world.stats.reset()
+        for comm in {id(c): c for c in (self.shard, self.gather, self.replicate) if c is not None}.values():
+            if comm is not self.world:
+                stats = stats.merged(comm.stats.reset())
         return stats
+
+
+def _check_node_layout(world: Communicator, shard_size: int) -> None:
+    """Raise the same ``ValueError`` on every rank where the launch's nodes and the shard groups do not line up: a
+    shard group must lie inside one node or span whole nodes, and ranks must be numbered node by node."""
+    per_node = world.ranks_per_node
+    local_rank = os.environ.get("LOCAL_RANK")
+    mine = None
+    if per_node % shard_size and shard_size % per_node:
+        mine = (
+            f"shard_size={shard_size} does not fit nodes of {per_node} ranks: a shard group would straddle two "
+            f"nodes. Use a divisor or a multiple of {per_node}, typically {per_node} (one node)."
+        )
+    elif local_rank is not None and int(local_rank) != world.global_rank % per_node:
+        mine = (
+            f"rank {world.global_rank} has LOCAL_RANK={local_rank}, but shard groups of consecutive ranks assume "
+            f"ranks numbered node by node ({per_node} per node: local rank {world.global_rank % per_node}). Launch "
+            "with torchrun, SLURM or Lightning's launcher, which number ranks that way."
+        )
+    problems = [problem for problem in world.all_gather_object(mine) if problem is not None]
+    if problems:
+        raise ValueError(problems[0])

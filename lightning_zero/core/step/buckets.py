@@ -43,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core.comm import Communicator, Work
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
+from lightning_zero.core.step.reduction import GradientReduction
 
 
 class BucketState(Enum):
@@ -59,9 +60,12 @@ class GradBucket(ABC):
     buffer: FlatParamBuffer
     shard_grad: Tensor  # 1D, layout.shard_numel: the averaged gradient of this rank's shard
 
-    def __init__(self, buffer: FlatParamBuffer, comm: Communicator, reduce_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, buffer: FlatParamBuffer, reduction: GradientReduction, reduce_dtype: torch.dtype | None = None
+    ) -> None:
         self.buffer = buffer
-        self.comm = comm
+        self.reduction = reduction
+        self.comm = reduction.shard  # the reduce-scatter's group
         # The dtype of the sum across ranks; the held gradient keeps the parameters' (see [Note: mixed-precision
         # model states]).
         self.reduce_dtype = reduce_dtype or buffer.data.dtype
@@ -71,6 +75,7 @@ class GradBucket(ABC):
         self._arrived = [False] * len(buffer.params)  # got a gradient in the current backward pass
         self._missing = len(buffer.params)
         self._work: Work | None = None
+        self._replica_work: Work | None = None  # the all-reduce across replicas (see core/step/reduction.py)
 
     @property
     def ready(self) -> bool:
@@ -140,15 +145,26 @@ class GradBucket(ABC):
         self._start_reduce()
 
     def wait(self) -> None:
-        """Wait for the reduction in flight, if any; the full-size staging memory can go right away."""
+        """Wait for the reduce-scatter in flight, if any; the full-size staging memory can go right away, and the
+        all-reduce across replicas starts (waited for by :meth:`finish`)."""
         if self._work is not None:
             self._work.wait()
             self._work = None
             self._release_staging()
+            self._replica_work = self.reduction.start_across_replicas(self._reduction_result())
+            if self._replica_work is None:
+                self._settle_reduced()
+
+    def _wait_replicas(self) -> None:
+        if self._replica_work is not None:
+            self._replica_work.wait()
+            self._replica_work = None
+            self._settle_reduced()
 
     def finish(self, globally_used: Sequence[bool]) -> None:
         """Fold the reduction in and mark what is live. See [Note: gradient liveness]."""
         self.wait()
+        self._wait_replicas()
         self._fold_reduction(globally_used)
         self.locally_used = [False] * len(self.buffer.params)
         self.end_pass()
@@ -166,6 +182,9 @@ class GradBucket(ABC):
         if self._work is not None:
             self._work.wait()
             self._work = None
+        if self._replica_work is not None:
+            self._replica_work.wait()
+            self._replica_work = None
         self._discard_pass()
         self.end_pass()
 
@@ -186,7 +205,14 @@ class GradBucket(ABC):
 
     @abstractmethod
     def _release_staging(self) -> None:
-        """Free what only the reduction in flight needed (stage 2's staging buffer)."""
+        """Free what only the reduce-scatter needed (stage 2's staging buffer)."""
+
+    @abstractmethod
+    def _reduction_result(self) -> Tensor:
+        """The reduce-scatter's result: this rank's shard of the bucket's gradient sum."""
+
+    def _settle_reduced(self) -> None:  # noqa: B027 (a hook: most buckets keep the result in memory)
+        """The reduction is complete (across replicas too): where it rests on disk, write it there."""
 
     @abstractmethod
     def _fold_reduction(self, globally_used: Sequence[bool]) -> None: ...
@@ -215,7 +241,7 @@ class GradReducer:
 
     Args:
         buckets: in launch order (see [Note: bucket order]).
-        comm: the shard group.
+        comm: every rank (the agreement on used parameters).
         overlap_comm: launch a bucket's reduction as soon as it is complete instead of after backward.
         reduce_every_backward: stages 2 and 3 reduce in every backward; stage 1 only in backward passes that are
             not inside :meth:`no_sync` (gradient accumulation keeps full local gradients instead).
@@ -356,7 +382,7 @@ class GradReducer:
         payload = self.rider.payload() if self.rider is not None else []
         device = self.buckets[0].device
         merged = torch.tensor(flags + payload, dtype=torch.uint8, device=device)
-        self.comm.all_reduce(merged, op="max")
+        self.comm.all_reduce(merged, op="max", label="agree")
         values = merged.tolist()
         merged_flags = [bool(v) for v in values[: len(flags)]]
         per_bucket, start = [], 0

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_zero.core.comm import Communicator
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
 from lightning_zero.core.step.buckets import GradBucket
+from lightning_zero.core.step.reduction import GradientReduction
 
 
 class FullGradBucket(GradBucket):
@@ -24,8 +24,10 @@ class FullGradBucket(GradBucket):
 
     full_grad: Tensor  # 1D, layout.padded_numel: local sums; after a reduction, own segment = average
 
-    def __init__(self, buffer: FlatParamBuffer, comm: Communicator, reduce_dtype: torch.dtype | None = None) -> None:
-        super().__init__(buffer, comm, reduce_dtype)
+    def __init__(
+        self, buffer: FlatParamBuffer, reduction: GradientReduction, reduce_dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__(buffer, reduction, reduce_dtype)
         self.full_grad = torch.zeros_like(buffer.data)
         self._staging: Tensor | None = None  # the bucket in reduce_dtype while a reduction in a wider dtype runs
         self._carry: Tensor | None = None  # live reduced gradients kept across an accumulation (own segment)
@@ -73,10 +75,10 @@ class FullGradBucket(GradBucket):
     def _start_reduce(self) -> None:
         # Divide before summing, as DDP does, so the result matches it and fp16 sums stay in range.
         if self.reduce_dtype == self.full_grad.dtype:
-            self.full_grad.div_(self.comm.world_size)
+            self.full_grad.div_(self.reduction.world_size)
             self._work = self.comm.reduce_scatter(self.shard_grad, self.full_grad, async_op=True, sizes=self._sizes)
             return
-        self._staging = self.full_grad.to(self.reduce_dtype).div_(self.comm.world_size)
+        self._staging = self.full_grad.to(self.reduce_dtype).div_(self.reduction.world_size)
         self._output = torch.empty(self.shard_grad.numel(), dtype=self.reduce_dtype, device=self.full_grad.device)
         self._work = self.comm.reduce_scatter(self._output, self._staging, async_op=True, sizes=self._sizes)
 
@@ -87,6 +89,9 @@ class FullGradBucket(GradBucket):
     def _release_staging(self) -> None:
         """Free the wide copy of the bucket; the full gradient buffer itself persists by design."""
         self._staging = None
+
+    def _reduction_result(self) -> Tensor:
+        return self._output if self._output is not None else self.shard_grad
 
     def _fold_reduction(self, globally_used: Sequence[bool]) -> None:
         # The reduction wrote the own segment (in place, or in reduce_dtype to round into it now); live gradients

@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_zero.core.comm import Communicator, wait_all
+from lightning_zero.core.comm import wait_all
+from lightning_zero.core.comm.topology import Topology
 from lightning_zero.core.layout.resting import engine_access
 from lightning_zero.core.mixed_precision import DynamicLossScaler
 from lightning_zero.core.step.buckets import GradBucket
@@ -70,7 +71,8 @@ class OptimizerStep:
     Args:
         optimizer: the user's optimizer (its param groups hold the module's parameters).
         entries: the managed parameters among its param groups.
-        comm: the shard group (overflow agreement, clipping norms, the gather of new shards).
+        topology: the groups: clipping norms and the gather of new shards in the shard group, the agreements on
+            overflow and I/O failures in the world group.
         device: where small control tensors (overflow flags, norms) live; NCCL needs the GPU.
         scaling: the loss scale shared by every optimizer of the engine.
         on_step_end: called after every step (the engine takes the step's communication counts).
@@ -81,7 +83,7 @@ class OptimizerStep:
         self,
         optimizer: Optimizer,
         entries: Sequence[StepEntry],
-        comm: Communicator,
+        topology: Topology,
         device: torch.device,
         scaling: LossScaling,
         on_step_end: Callable[[], None],
@@ -90,7 +92,7 @@ class OptimizerStep:
         self.optimizer = optimizer
         self.on_prepare = on_prepare
         self._weight_skipped = False
-        self.comm = comm
+        self.comm, self.world = topology.shard, topology.world
         self.device = device
         self.scaling = scaling
         self.on_step_end = on_step_end
@@ -160,7 +162,7 @@ class OptimizerStep:
             for _, grads in self._paged.each():
                 for grad in grads:
                     overflow |= (~torch.isfinite(grad).all()).to(self.device)  # paged: on the host
-            self.comm.all_reduce(overflow, op="max")
+            self.world.all_reduce(overflow, op="max")
             self._finite = not overflow.item()
         self.state = StepState.PREPARED
         return self._finite
@@ -276,7 +278,7 @@ class OptimizerStep:
                 self.optimizer,
                 self._paged.work(),
                 (lambda: raw(self.optimizer)) if raw is not None else self._reentrant_step,
-                self.comm,
+                self.world,
                 self.device,
             )
         finally:

@@ -14,9 +14,9 @@ from concurrent.futures import Future
 import torch
 from torch import Tensor
 
-from lightning_zero.core.comm import Communicator
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer, ShardStorage
 from lightning_zero.core.step.buckets import GradBucket
+from lightning_zero.core.step.reduction import GradientReduction
 
 
 class ShardGradBucket(GradBucket):
@@ -36,11 +36,11 @@ class ShardGradBucket(GradBucket):
     def __init__(
         self,
         buffer: FlatParamBuffer,
-        comm: Communicator,
+        reduction: GradientReduction,
         reduce_dtype: torch.dtype | None = None,
         resting: tuple[ShardStorage, ShardStorage] | None = None,
     ) -> None:
-        super().__init__(buffer, comm, reduce_dtype)
+        super().__init__(buffer, reduction, reduce_dtype)
         self._shard_grad: Tensor | None = None  # created by the first reduction: evaluation never holds it
         self.staging = None
         self._output = None
@@ -107,7 +107,7 @@ class ShardGradBucket(GradBucket):
     def _start_reduce(self) -> None:
         staging = self._staging()
         # Divide before summing, as DDP does, so the result matches it and fp16 sums stay in range.
-        staging.div_(self.comm.world_size)
+        staging.div_(self.reduction.world_size)
         # When zero_grad emptied every piece (the usual case) the result may land in the shard directly.
         self._in_place = self.reduce_dtype == self.buffer.data.dtype and not any(self.live)
         if self._in_place:
@@ -125,6 +125,12 @@ class ShardGradBucket(GradBucket):
 
     def _release_staging(self) -> None:
         self.staging = None
+
+    def _reduction_result(self) -> Tensor:
+        assert self._output is not None
+        return self._output
+
+    def _settle_reduced(self) -> None:
         if self.resting is None or self._output is None:
             return
         if self._in_place:

@@ -1,0 +1,41 @@
+"""How a bucket's gradients become this rank's averaged shard: the groups and the divisor of one reduction.
+
+Without ``shard_size`` a reduction is one reduce-scatter over every rank. With it (see [Note: hybrid sharding]) the
+reduce-scatter runs inside the shard group and the shard is then all-reduced across the replicate group; the
+gradients are divided by the number of all ranks before either, as DDP divides, so the sum is the same average.
+The replicate all-reduce starts once the reduce-scatter completed (a bucket waits for it while backward runs) and
+is waited for only at the end of backward, after the ranks agreed on the used parameters in the world group: no
+rank blocks on it while another still has to reach that agreement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from lightning_zero.core.comm import Communicator, Work
+
+
+@dataclass(frozen=True)
+class GradientReduction:
+    """The groups of a gradient reduction.
+
+    Attributes:
+        shard: the reduce-scatter's group.
+        replicate: the group the shard is all-reduced across afterwards (``None``: no replicas).
+        world_size: what the gradients are divided by: every rank that contributes.
+    """
+
+    shard: Communicator
+    replicate: Communicator | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.shard.world_size * (self.replicate.world_size if self.replicate is not None else 1)
+
+    def start_across_replicas(self, shard: Tensor) -> Work | None:
+        """Start summing the reduced ``shard`` (in place) across the replicas; ``None`` when there are none."""
+        if self.replicate is None:
+            return None
+        return self.replicate.all_reduce(shard, async_op=True)
