@@ -24,7 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_zero.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS, STAGES, MemoryEstimate, estimate_memory
+from lightning_zero.estimate import (
+    OPTIMIZER_STATE_BYTES,
+    PRECISIONS,
+    STAGES,
+    MemoryEstimate,
+    estimate_memory,
+    shard_group_size,
+)
 from lightning_zero.version import __version__
 
 _COLUMNS = ("stage", "params", "gradients", "optimizer states", "offloaded", "total")
@@ -142,10 +149,21 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
         default="flat",
         help="flat: even shards (default); parameter: whole tensors per owner, the most loaded rank's bytes",
     )
+    estimate.add_argument(
+        "--shard-size",
+        type=_positive_int,
+        help="hybrid sharding: shard inside groups of this many ranks (e.g. per node), replicate across them; "
+        "a divisor of the world size (default: all ranks)",
+    )
 
 
 def _estimate(args: argparse.Namespace) -> None:
     _apply_trainer_settings(args)
+    try:
+        group = shard_group_size(args.shard_size, args.world_size)
+    except ValueError as error:  # checked before the model is built: the fix is on the command line
+        message = str(error).replace("shard_size=", "--shard-size ").replace("world_size=", "--world-size ")
+        raise SystemExit(f"lightning-zero estimate: {message}") from None
     class_path, init_args = _model_spec(args)
     model = _build_on_meta(class_path, init_args)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -154,7 +172,8 @@ def _estimate(args: argparse.Namespace) -> None:
     print(
         f"world_size={args.world_size}, precision={args.precision}, optimizer={args.optimizer}, "
         f"offload_optimizer={args.offload_optimizer}, offload_params={args.offload_params}, "
-        f"partition={args.partition}, accumulate_grad_batches={args.accumulate_grad_batches}\n"
+        f"partition={args.partition}, accumulate_grad_batches={args.accumulate_grad_batches}, "
+        f"shard_size={args.shard_size}\n"
     )
     rows = [_row(model, stage, args) for stage in STAGES]
     print(_format_table(rows))
@@ -162,10 +181,17 @@ def _estimate(args: argparse.Namespace) -> None:
     if args.offload_optimizer or args.offload_params:
         print("Offload applies where the stage allows it: optimizer from stage 1, parameters at stage 3 only.")
     if args.partition == "parameter":
-        owned = estimate_memory(model, stage=1, world_size=args.world_size, partition="parameter")
+        owned = estimate_memory(
+            model, stage=1, world_size=args.world_size, partition="parameter", shard_size=args.shard_size
+        )
         print(
             f"partition=parameter: the most loaded rank owns {owned.owned_max:,} trained elements, the least "
-            f"{owned.owned_min:,} (even shards: {-(-trainable // args.world_size):,}); the table is the most loaded's."
+            f"{owned.owned_min:,} (even shards: {-(-trainable // group):,}); the table is the most loaded's."
+        )
+    if args.shard_size is not None:
+        print(
+            f"Hybrid sharding: stages 1-3 shard over groups of {group} ranks, replicated {args.world_size // group} "
+            "times; stage 0 (DDP) shards nothing."
         )
 
 
@@ -181,6 +207,7 @@ def _row(model: nn.Module, stage: int, args: argparse.Namespace) -> list[str]:
         offload_params=args.offload_params if stage == 3 else False,
         partition=args.partition,
         accumulate_grad_batches=args.accumulate_grad_batches,
+        shard_size=args.shard_size,
     )
     return [_stage_label(stage), *map(_human_bytes, _columns_of(estimate))]
 

@@ -5,7 +5,9 @@ Nothing is allocated: the model may live on the meta device, so a 70B-parameter 
 paper (Rajbhandari et al., 2020, section 3 and Figure 1); ``docs/estimate.md`` shows them as a table.
 
 [Note: estimate formulas]
-Ψ is the number of trainable parameters (elements), Φ the number of frozen ones, N ``world_size``.
+Ψ is the number of trainable parameters (elements), Φ the number of frozen ones, N the shard group's
+size: ``world_size``, or ``shard_size`` with hybrid sharding (states sharded inside groups of N consecutive
+ranks and replicated across the world_size / N groups, so a rank holds what it would hold in a world of N).
 Each precision has a width for parameters and for gradients, and a width for the fp32 master copy
 that the optimizer keeps when training runs in 16 bits; the optimizer adds K bytes of element-wise
 state per parameter (Adam/AdamW: exp_avg and exp_avg_sq, 8 bytes). Per rank:
@@ -17,8 +19,9 @@ state per parameter (Adam/AdamW: exp_avg and exp_avg_sq, 8 bytes). Per rank:
 Frozen parameters have no optimizer and so no fp32 master: the mixed modes keep them in fp32 (autocast
 casts them for compute), ``"bf16-true"`` holds them in bf16 like the rest of the module.
 
-Stage 0 is plain DDP (nothing divided), for comparison. Mixed-precision Adam is the paper's
-2 + 2 + 12 bytes per parameter. Offloading moves optimizer_states (and at stage 3 the parameter
+Stage 0 is plain DDP (nothing divided), for comparison; it ignores ``shard_size`` (every rank holds everything
+whatever the groups), though it still checks it, so the CLI's table shows stage 0 beside the rest. Mixed-precision
+Adam is the paper's 2 + 2 + 12 bytes per parameter. Offloading moves optimizer_states (and at stage 3 the parameter
 shard) from the device into ``offloaded``; the offloaded optimizer always steps an fp32 master copy, so in
 ``"32-true"`` it is K + 4 bytes (Adam: 12), not K. With both offloads on NVMe the gradient shard rests in the swap
 file too and is counted in ``offloaded``; where gradients accumulate (``accumulate_grad_batches`` > 1) each
@@ -92,6 +95,7 @@ def estimate_memory(
     offload_params: OffloadTarget = False,
     partition: str = "flat",
     accumulate_grad_batches: int = 1,
+    shard_size: int | None = None,
 ) -> MemoryEstimate:
     """Estimate the bytes of parameters, gradients and optimizer state that each rank holds.
 
@@ -108,7 +112,7 @@ def estimate_memory(
         model: the module to train, on any device including ``"meta"``.
         stage: 0 (plain DDP, no sharding: for comparison), 1 (optimizer state sharded), 2 (+ gradients)
             or 3 (+ parameters).
-        world_size: number of ranks the states are sharded over.
+        world_size: number of ranks in all.
         precision: ``"32-true"`` (4 + 4 bytes of parameter and gradient per element), or
             ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"`` (2 + 2, plus a 4-byte fp32 master copy
             kept with the optimizer state).
@@ -124,6 +128,10 @@ def estimate_memory(
         accumulate_grad_batches: as the Trainer's flag (or several backward passes per optimizer step). Above 1,
             with both offloads ``"nvme"``, ``offloaded`` includes the region where a reduction's fp32 result waits
             until it is added to the gradient shard; otherwise it changes nothing.
+        shard_size: hybrid sharding: the states are sharded inside groups of this many consecutive ranks (e.g. the
+            processes of one node) and replicated across the groups; a divisor of ``world_size``. ``None`` shards
+            over all ranks. Every figure then equals that of ``world_size=shard_size`` without it, owners included
+            (``partition="parameter"`` plans over one group's ranks). Ignored at stage 0, where nothing is sharded.
 
     Returns:
         The per-rank bytes; ``total`` is what stays on the accelerator.
@@ -131,9 +139,11 @@ def estimate_memory(
     Raises:
         ValueError: for a ``model`` that is not an ``nn.Module``, an unknown ``stage``, ``precision``,
             ``optimizer`` or offload target, a ``world_size`` or ``accumulate_grad_batches`` below 1,
-            ``offload_optimizer`` at stage 0 or ``offload_params`` below stage 3.
+            ``offload_optimizer`` at stage 0 or ``offload_params`` below stage 3, a ``shard_size`` that is not a
+            positive int dividing ``world_size``.
     """
     _check_arguments(model, stage, world_size, precision, optimizer, offload_optimizer, offload_params)
+    group = shard_group_size(shard_size, world_size)
     check_choice("partition", partition, PARTITIONS)
     accumulating = accumulate_grad_batches
     if isinstance(accumulating, bool) or not isinstance(accumulating, int) or accumulating < 1:
@@ -144,12 +154,12 @@ def estimate_memory(
     # Offload keeps an fp32 master on the host in every precision, 32-true too (the device keeps the parameters).
     master = OFFLOADED_MASTER_BYTES if offload_optimizer else widths.master
     state_width = OPTIMIZER_STATE_BYTES[optimizer] + master
-    owned_max, owned_min = _owned(model, stage, world_size, partition)
+    owned_max, owned_min = _owned(model, stage, group, partition)
 
     def sharded(width: int, from_stage: int, extra: int = 0) -> int:
         """One rank's bytes of the trained tensors at ``width`` bytes each (plus ``extra`` bytes sharded evenly),
         sharded from ``from_stage`` on: the most loaded owner's with partition="parameter"."""
-        shards = world_size if stage >= from_stage else 1
+        shards = group if stage >= from_stage else 1
         if partition == "parameter" and shards > 1:
             return width * owned_max + _per_rank(extra, shards)
         return _per_rank(width * trainable + extra, shards)
@@ -176,8 +186,32 @@ def estimate_memory(
     )
 
 
+def shard_group_size(shard_size: Any, world_size: int) -> int:
+    """The number of ranks the states are sharded over: ``shard_size``, or ``world_size`` when it is ``None``.
+
+    Raises:
+        ValueError: ``shard_size`` is not ``None`` nor a positive int, or does not divide ``world_size``.
+    """
+    if shard_size is None:
+        return world_size
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(
+            f"shard_size={shard_size!r} is not supported; choose a positive int that divides world_size={world_size} "
+            "(e.g. the number of processes per node), or None to shard over all ranks."
+        )
+    if world_size % shard_size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        shown = ", ".join(map(str, divisors[:8])) + (", ..." if len(divisors) > 8 else "")
+        raise ValueError(
+            f"shard_size={shard_size} does not divide world_size={world_size}: pick a divisor of {world_size} "
+            f"({shown}) such as the number of processes per node."
+        )
+    return shard_size
+
+
 def _owned(model: nn.Module, stage: int, world_size: int, partition: str) -> tuple[int, int]:
-    """Trained elements of the most and the least loaded rank (all of them at stage 0, plain DDP)."""
+    """Trained elements of the most and the least loaded rank of a shard group of ``world_size`` ranks (all of them
+    at stage 0, plain DDP)."""
     numels = [p.numel() for p in model.parameters() if p.requires_grad]
     if stage == 0:
         return sum(numels), sum(numels)

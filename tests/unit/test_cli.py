@@ -160,6 +160,39 @@ def test_config_without_a_model_section_exits(tmp_path: Path) -> None:
         main(["estimate", "--config", str(config), "--world-size", "2"])
 
 
+def test_shard_size_prints_the_table_of_a_world_of_that_size(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["estimate", "--model", GPT, "--precision", "32-true", "--partition", "parameter"]
+    assert main([*base, "--world-size", "2"]) == 0
+    two = capsys.readouterr().out
+    assert main([*base, "--world-size", "6", "--shard-size", "2"]) == 0
+    hybrid = capsys.readouterr().out
+    assert _rows(hybrid) == _rows(two)
+    assert _rows(hybrid)["3"] != _rows(hybrid)["0 (DDP)"]  # stage 3 is sharded at all
+    assert "world_size=6," in hybrid
+    assert "shard_size=2" in hybrid
+    assert "shard_size=None" in two
+    assert "Hybrid sharding: stages 1-3 shard over groups of 2 ranks, replicated 3 times" in hybrid
+    owners = [line for line in hybrid.splitlines() if line.startswith("partition=parameter:")]
+    assert owners == [line for line in two.splitlines() if line.startswith("partition=parameter:")]
+    assert len(owners) == 1
+
+
+def test_shard_size_that_does_not_divide_the_world_size_exits_before_building(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The model does not exist: the shard size is checked first, the message names both flags.
+    with pytest.raises(SystemExit, match=r"--shard-size 3 does not divide --world-size 4: pick a divisor of 4"):
+        main(["estimate", "--model", "no_such_package.models:Net", "--world-size", "4", "--shard-size", "3"])
+
+
+@pytest.mark.parametrize("shard_size", ["0", "two"])
+def test_shard_size_must_be_a_positive_int(shard_size: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--model", GPT, "--world-size", "4", "--shard-size", shard_size])
+    assert exit_info.value.code == 2
+    assert f"--shard-size: must be a positive int, got '{shard_size}'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("world_size", ["0", "two"])
 def test_world_size_must_be_a_positive_int(world_size: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:

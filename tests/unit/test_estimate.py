@@ -182,6 +182,59 @@ def test_a_70b_model_on_the_meta_device_is_estimated_without_allocation() -> Non
     assert all(p.is_meta for p in model.parameters())
 
 
+# ----------------------------------------------------------------------------- hybrid sharding
+
+OFFLOADS = [(False, False), ("cpu", False), ("nvme", False), ("cpu", "cpu"), ("nvme", "nvme"), ("cpu", "nvme")]
+# (stage, offload_optimizer, offload_params): every offload pair each stage accepts
+STAGE_OFFLOADS = [
+    (stage, optimizer, params)
+    for stage in (0, 1, 2, 3)
+    for optimizer, params in OFFLOADS
+    if not (optimizer and stage == 0) and not (params and stage != 3)
+]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed", "bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize(("stage", "offload_optimizer", "offload_params"), STAGE_OFFLOADS)
+@pytest.mark.parametrize("partition", ["flat", "parameter"])
+def test_shard_size_k_gives_the_figures_of_a_world_of_k(
+    precision: str, stage: int, offload_optimizer: str | bool, offload_params: str | bool, partition: str
+) -> None:
+    with torch.device("meta"):  # uneven tensors and a frozen one, so that owners and rounding matter
+        model = nn.Sequential(nn.Linear(7, 13), nn.Linear(13, 5), nn.Linear(5, 3, bias=False))
+    model[1].bias.requires_grad_(False)
+    options = {
+        "stage": stage,
+        "precision": precision,
+        "offload_optimizer": offload_optimizer,
+        "offload_params": offload_params,
+        "partition": partition,
+        "accumulate_grad_batches": 2,
+    }
+    for world_size, shard_size in [(4, 2), (6, 3), (8, 4), (6, 1), (4, 4)]:
+        hybrid = estimate_memory(model, world_size=world_size, shard_size=shard_size, **options)
+        alone = estimate_memory(model, world_size=shard_size, **options)
+        assert hybrid == alone, (world_size, shard_size)
+    # shard_size=None and shard_size=world_size both shard over all ranks, and hybrid differs from them
+    everyone = estimate_memory(model, world_size=8, **options)
+    assert estimate_memory(model, world_size=8, shard_size=8, **options) == everyone
+    if stage > 0:
+        assert estimate_memory(model, world_size=8, shard_size=2, **options).as_dict() != everyone.as_dict()
+
+
+def test_shard_size_divides_by_the_group_not_the_world(model: nn.Module) -> None:
+    # 32-true AdamW, Ψ = 1200 trained, Φ = 240 frozen, 16 ranks in groups of 4: each /N is /4.
+    estimate = estimate_memory(model, stage=3, world_size=16, precision="32-true", shard_size=4)
+    assert estimate.params == (4 * TRAINABLE + 4 * FROZEN) // 4
+    assert estimate.gradients == 4 * TRAINABLE // 4
+    assert estimate.optimizer_states == 8 * TRAINABLE // 4
+    assert (estimate.owned_max, estimate.owned_min) == (TRAINABLE // 4, TRAINABLE // 4)
+
+
+def test_stage_0_ignores_shard_size(model: nn.Module) -> None:
+    assert estimate_memory(model, stage=0, world_size=8, shard_size=2) == estimate_memory(model, stage=0, world_size=8)
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -215,6 +268,22 @@ def test_a_70b_model_on_the_meta_device_is_estimated_without_allocation() -> Non
         ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches=0 is not supported; choose a positive int"),
         ({"accumulate_grad_batches": True}, r"accumulate_grad_batches=True is not supported"),
         ({"accumulate_grad_batches": 2.0}, r"accumulate_grad_batches=2.0 is not supported"),
+        (
+            {"shard_size": 3},
+            r"shard_size=3 does not divide world_size=4: pick a divisor of 4 \(1, 2, 4\) such as the number of "
+            r"processes per node",
+        ),
+        ({"shard_size": 8}, r"shard_size=8 does not divide world_size=4"),
+        ({"shard_size": 3, "stage": 0}, r"shard_size=3 does not divide world_size=4"),  # checked at stage 0 too
+        (
+            {"shard_size": 0},
+            r"shard_size=0 is not supported; choose a positive int that divides world_size=4 \(e.g. the number of "
+            r"processes per node\), or None",
+        ),
+        ({"shard_size": -2}, r"shard_size=-2 is not supported"),
+        ({"shard_size": True}, r"shard_size=True is not supported"),
+        ({"shard_size": 2.0}, r"shard_size=2.0 is not supported"),
+        ({"shard_size": "2"}, r"shard_size='2' is not supported"),
     ],
 )
 def test_invalid_arguments_raise_value_error(model: nn.Module, kwargs: dict, match: str) -> None:
