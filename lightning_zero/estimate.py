@@ -40,7 +40,7 @@ from torch import nn
 
 from lightning_zero.core.layout.pieces import assign_owners
 from lightning_zero.core.memory import MemoryReport
-from lightning_zero.core.options import OFFLOAD_TARGETS, PARTITIONS, OffloadTarget, check_choice
+from lightning_zero.core.options import OFFLOAD_TARGETS, PARTITIONS, OffloadTarget, check_choice, check_shard_size
 
 STAGES = (0, 1, 2, 3)
 OFFLOADED_MASTER_BYTES = 4  # the fp32 master the offloaded optimizer steps, in every precision
@@ -192,21 +192,8 @@ def shard_group_size(shard_size: Any, world_size: int) -> int:
     Raises:
         ValueError: ``shard_size`` is not ``None`` nor a positive int, or does not divide ``world_size``.
     """
-    if shard_size is None:
-        return world_size
-    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
-        raise ValueError(
-            f"shard_size={shard_size!r} is not supported; choose a positive int that divides world_size={world_size} "
-            "(e.g. the number of processes per node), or None to shard over all ranks."
-        )
-    if world_size % shard_size:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        shown = ", ".join(map(str, divisors[:8])) + (", ..." if len(divisors) > 8 else "")
-        raise ValueError(
-            f"shard_size={shard_size} does not divide world_size={world_size}: pick a divisor of {world_size} "
-            f"({shown}) such as the number of processes per node."
-        )
-    return shard_size
+    check_shard_size(shard_size, world_size)
+    return world_size if shard_size is None else shard_size
 
 
 def _owned(model: nn.Module, stage: int, world_size: int, partition: str) -> tuple[int, int]:

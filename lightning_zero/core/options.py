@@ -110,15 +110,18 @@ def check_shard_size(value: Any, world_size: int | None = None) -> None:
     """Raise a ``ValueError`` unless ``value`` is ``None`` or a positive int (dividing ``world_size`` where given)."""
     if value is None:
         return
+    where = f"world_size={world_size}" if world_size is not None else "the world size"
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
-            f"shard_size must be a positive int or None, got {value!r}. Use the number of processes per node, "
-            "or None to shard over every rank."
+            f"shard_size={value!r} is not supported; choose a positive int that divides {where} (e.g. the number "
+            "of processes per node), or None to shard over all ranks."
         )
     if world_size is not None and world_size % value:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        shown = ", ".join(map(str, divisors[:8])) + (", ..." if len(divisors) > 8 else "")
         raise ValueError(
-            f"shard_size={value} does not divide the world size {world_size}: the ranks split into groups of "
-            "shard_size. Use a divisor of the world size, typically the number of processes per node, or None."
+            f"shard_size={value} does not divide world_size={world_size}: pick a divisor of {world_size} ({shown}) "
+            "such as the number of processes per node."
         )
 
 

@@ -42,7 +42,7 @@ INVALID = [
     ({"bucket_cap_mb": 1e308}, r"bucket_cap_mb must be at most .*got 1e\+308"),  # finite, but its bytes are not
     ({"bucket_cap_mb": 2**2000}, r"bucket_cap_mb must be at most .*characters\)"),  # int: never a float
     ({"overlap_comm": "yes"}, r"overlap_comm must be True or False"),
-    ({"shard_size": 0}, r"shard_size must be a positive int or None, got 0"),
+    ({"shard_size": 0}, r"shard_size=0 is not supported; choose a positive int"),
     ({"process_group_backend": "mpi"}, r"process_group_backend='mpi' is not supported"),
     ({"start_method": "forkserver"}, r"start_method='forkserver' is not supported"),
     ({"timeout": 30}, r"timeout must be a datetime.timedelta"),
@@ -88,15 +88,10 @@ def test_describe_names_every_option_ranks_agree_on() -> None:
     assert (described["stage"], described["nvme_path"], described["timeout"]) == (3, "/tmp", 1800.0)
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {"shard_size": 2},
-    ],
-)
-def test_contract_options_not_built_yet_say_so(kwargs: dict) -> None:
-    with pytest.raises(NotImplementedError, match="not built yet"):
-        ZeroConfig(**kwargs)
+def test_shard_size_is_an_engine_option_every_rank_agrees_on() -> None:
+    strategy = ZeroStrategy(stage=2, shard_size=2)
+    assert strategy.config.engine.shard_size == 2
+    assert strategy.config.describe()["shard_size"] == 2
 
 
 def test_describe_is_comparable_across_ranks() -> None:

@@ -13,12 +13,12 @@ them. Checkpoints are written by the first shard group (``Topology.writes``) and
 
 The ranks agree on ``shard_size`` (and the node layout) before any group is created, and every rank creates every
 group in the same order (``new_group`` is itself a collective): the shard groups in rank order, then the replicate
-groups, then stage 3's gather group.
+groups, then stage 3's gather groups.
 
 Stage 3 gathers unit parameters over a group of its own (the shard group's ranks again), so that the order of
-gathers (fixed by the order units run in) and the order of gradient reductions (fixed by bucket index) never have to interleave identically on every rank: a rank whose backward
-needs fewer units than another's still issues the same gathers and the same reductions, each in its own order
-(see [Note: stage-3 backward plan]).
+gathers (fixed by the order units run in) and the order of gradient reductions (fixed by bucket index) never have
+to interleave identically on every rank: a rank whose backward needs fewer units than another's still issues the
+same gathers and the same reductions, each in its own order (see [Note: stage-3 backward plan]).
 """
 
 from __future__ import annotations
