@@ -147,6 +147,7 @@ class ZeroEngine:
         install_module_zero_grad(module, self.model.steps)
         self.changes = ChangeWatch(self.optimizers, comm, self.device)  # see [Note: changes after setup]
         self.changes.remember(self.model.managed_ids())
+        self.topology.take_stats()  # setup's broadcasts and agreements are not the first step's communication
 
     # ------------------------------------------------------------------ each iteration
     def begin_iteration(self) -> None:

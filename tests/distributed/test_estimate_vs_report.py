@@ -56,7 +56,9 @@ def _policy(precision: str) -> PrecisionPolicy | None:
     return PrecisionPolicy(torch.float16 if precision == "16-mixed" else torch.bfloat16, torch.float32, torch.float32)
 
 
-def _measure(rank: int, precision: str, case: tuple[int, Any, Any, str, int]) -> dict[str, int]:
+def _measure(
+    rank: int, precision: str, case: tuple[int, Any, Any, str, int], shard_size: int | None = None
+) -> dict[str, int]:
     stage, offload_optimizer, offload_params, partition, accumulate = case
     torch.manual_seed(0)
     model = _model()
@@ -69,6 +71,7 @@ def _measure(rank: int, precision: str, case: tuple[int, Any, Any, str, int]) ->
         offload_params=offload_params,
         nvme_path=tempfile.gettempdir(),
         partition=partition,
+        shard_size=shard_size,
     )
     engine = ZeroEngine(model, [optimizer], options, Communicator(), precision=_policy(precision))
     dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
@@ -97,7 +100,9 @@ def ranks() -> list[dict[Case, dict[str, int]]]:
     return run_on_ranks(_reports, WORLD_SIZE)
 
 
-def _expected(case: Case, step_bytes: int) -> dict[str, int]:
+def _expected(
+    case: Case, step_bytes: int, world_size: int = WORLD_SIZE, shard_size: int | None = None
+) -> dict[str, int]:
     """The estimate, plus this rank's ``step`` scalars where its optimizer state lives."""
     precision, stage, offload_optimizer, offload_params, partition, accumulate = case
     with torch.device("meta"):
@@ -105,7 +110,8 @@ def _expected(case: Case, step_bytes: int) -> dict[str, int]:
     estimate = estimate_memory(
         model,
         stage=stage,
-        world_size=WORLD_SIZE,
+        world_size=world_size,
+        shard_size=shard_size,
         precision=precision,
         optimizer="adamw",
         offload_optimizer=offload_optimizer,

@@ -42,7 +42,7 @@ class ChangeWatch:
         """Whether every rank sees a change since :meth:`remember` (collective); raises where ranks disagree."""
         changed = self._fingerprint(managed) != self._seen
         self._flags[0], self._flags[1] = int(changed), int(not changed)
-        self.comm.all_reduce(self._flags, op="max")
+        self.comm.all_reduce(self._flags, op="max", label="agree")
         if bool(self._flags[0]) and bool(self._flags[1]):
             everyone = self.comm.all_gather_object(changed)
             raise RuntimeError(

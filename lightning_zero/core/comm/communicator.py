@@ -6,12 +6,15 @@ all-gather or reduce-scatter of a Ψ-element fp32 buffer counts 4Ψ bytes, an al
 (it is a reduce-scatter plus an all-gather). In these units DDP moves 2Ψ elements a step, ZeRO
 stages 1 and 2 also 2Ψ, and stage 3 3Ψ, as in the ZeRO paper (section 7).
 
-Each count is also split by where it travels: ``intra_node_bytes`` with ranks of this rank's node, ``inter_node_bytes``
-with ranks of other nodes (a node: ``ranks_per_node`` consecutive global ranks, as every launcher numbers them). A
-collective's bytes are taken as spread evenly over the group's other ranks (what ring and pairwise algorithms send
-to each peer on average), so a group with ``s`` other ranks on this node out of ``p`` others counts ``s/p`` of its
-bytes inside the node. A group inside one node (hybrid sharding's shard group) counts everything inside, the
-replicate group of one rank per node everything across; a flat group of 2 nodes x 2 ranks one third inside.
+Each count is also split by where its bytes travel: ``intra_node_bytes`` sent to ranks of this rank's node,
+``inter_node_bytes`` to ranks of other nodes (a node: ``ranks_per_node`` consecutive global ranks, as every launcher
+numbers them). In a bandwidth-optimal collective over p ranks (ring or pairwise reduce-scatter, all-gather,
+all-reduce, pipelined broadcast) each rank sends (p - 1)/p of the counted bytes, spread evenly over its p - 1
+peers; the remaining 1/p is its own part, which does not travel. So a collective counted as B bytes sends
+``B * s / p`` inside the node and ``B * o / p`` across, for ``s`` peers on this rank's node and ``o`` on others.
+Flat sharding over 2 nodes x 2 ranks sends half of every count across; hybrid sharding's shard group (one node)
+sends nothing across, its replicate group (one rank per node) half of the all-reduce's count, which is half of
+the shard's size times 2: the shard itself (see [Note: hybrid sharding]).
 
 [Note: host tensors on NCCL]
 NCCL takes device tensors only, but with offload the fp32 masters, optimizer state and their gradients rest on the
@@ -82,15 +85,16 @@ class CommStats:
     by_op: dict[str, int] = field(default_factory=dict)
     intra_node_bytes: int = 0
     inter_node_bytes: int = 0
-    intra_share: tuple[int, int] = (1, 1)  # this group's peers on this rank's node, of all its peers
+    # Of this group's p ranks, the peers on this rank's node, on other nodes, and p (see [Note: counting communication])
+    peers: tuple[int, int, int] = (0, 0, 1)
 
     def add(self, op: str, nbytes: int) -> None:
         self.nbytes += nbytes
         self.calls += 1
         self.by_op[op] = self.by_op.get(op, 0) + nbytes
-        intra = nbytes * self.intra_share[0] // self.intra_share[1]
-        self.intra_node_bytes += intra
-        self.inter_node_bytes += nbytes - intra
+        same_node, other_nodes, size = self.peers
+        self.intra_node_bytes += nbytes * same_node // size
+        self.inter_node_bytes += nbytes * other_nodes // size
 
     def merged(self, other: CommStats) -> CommStats:
         """The counts of both (e.g. the shard group's and the stage-3 gather group's)."""
@@ -108,6 +112,7 @@ class CommStats:
     def reset(self) -> CommStats:
         """Return the counts so far and start again from zero."""
         snapshot = CommStats(self.nbytes, self.calls, dict(self.by_op), self.intra_node_bytes, self.inter_node_bytes)
+        snapshot.peers = self.peers
         self.nbytes, self.calls, self.by_op, self.intra_node_bytes, self.inter_node_bytes = 0, 0, {}, 0, 0
         return snapshot
 
@@ -137,7 +142,7 @@ class Communicator:
         node = self.global_rank // self.ranks_per_node
         peers = [rank for rank in self.ranks if rank != self.global_rank]
         same_node = sum(1 for rank in peers if rank // self.ranks_per_node == node)
-        self.stats = CommStats(intra_share=(same_node, len(peers)) if peers else (1, 1))
+        self.stats = CommStats(peers=(same_node, len(peers) - same_node, self.world_size))
         backend = dist.get_backend(group)
         # gloo implements the single-tensor reduce-scatter as a copy plus a full all-reduce (measured 1.8x
         # slower on a 25 MiB bucket, docs/benchmarks.md); its list form is a real reduce-scatter.
