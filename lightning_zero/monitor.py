@@ -13,10 +13,13 @@ from lightning_zero.strategy import ZeroStrategy
 
 class ZeroMonitor(Callback):
     """Log ``zero/params_bytes``, ``zero/gradients_bytes``, ``zero/optimizer_states_bytes``,
-    ``zero/offloaded_bytes`` and ``zero/comm_bytes``.
+    ``zero/offloaded_bytes``, ``zero/comm_bytes``, ``zero/intra_node_bytes`` and ``zero/inter_node_bytes``; with
+    ``shard_size`` also ``zero/shard_group_bytes`` and ``zero/replicate_group_bytes``.
 
     The byte counts are this rank's model states measured from the tensors it holds after the step, and the
-    bytes it moved in collectives during that step. Logged by rank 0, every ``log_every_n_steps``.
+    bytes it moved in collectives during that step (see ``ZeroStrategy.comm_report()``), in total, by where they
+    travelled, and with hybrid sharding by group: inside its shard group (stage 3's gathers included) and across
+    the replicas. Logged by rank 0, every ``log_every_n_steps``.
 
     Raises:
         ValueError: when the Trainer's strategy is not a :class:`~lightning_zero.ZeroStrategy`.
@@ -35,12 +38,18 @@ class ZeroMonitor(Callback):
     ) -> None:
         strategy = trainer.strategy
         assert isinstance(strategy, ZeroStrategy)
-        report = strategy.memory_report()
+        report, comm = strategy.memory_report(), strategy.comm_report()
         metrics = {
             "zero/params_bytes": float(report.params),
             "zero/gradients_bytes": float(report.gradients),
             "zero/optimizer_states_bytes": float(report.optimizer_states),
             "zero/offloaded_bytes": float(report.offloaded),
-            "zero/comm_bytes": float(strategy.comm_report().nbytes),
+            "zero/comm_bytes": float(comm.nbytes),
+            "zero/intra_node_bytes": float(comm.intra_node_bytes),
+            "zero/inter_node_bytes": float(comm.inter_node_bytes),
         }
+        if strategy.config.engine.shard_size is not None:
+            shard_group = comm.by_group.get("shard", 0) + comm.by_group.get("gather", 0)
+            metrics["zero/shard_group_bytes"] = float(shard_group)
+            metrics["zero/replicate_group_bytes"] = float(comm.by_group.get("replicate", 0))
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)

@@ -32,8 +32,17 @@ METRICS = (
     "zero/optimizer_states_bytes",
     "zero/offloaded_bytes",
     "zero/comm_bytes",
+    "zero/intra_node_bytes",
+    "zero/inter_node_bytes",
 )
-RUNS = {1: {"stage": 1}, 2: {"stage": 2}, "2cpu": {"stage": 2, "offload_optimizer": "cpu"}}
+HYBRID_METRICS = ("zero/shard_group_bytes", "zero/replicate_group_bytes")
+# "2hybrid": every rank its own shard group (shard_size=1), so the gradients travel in the replicate group alone.
+RUNS = {
+    1: {"stage": 1},
+    2: {"stage": 2},
+    "2cpu": {"stage": 2, "offload_optimizer": "cpu"},
+    "2hybrid": {"stage": 2, "shard_size": 1},
+}
 
 
 def _monitor_runs(rank: int, world_size: int, log_dir: str) -> dict[str, Any]:
@@ -57,6 +66,9 @@ def _monitor_runs(rank: int, world_size: int, log_dir: str) -> dict[str, Any]:
             "logged": {k: float(v) for k, v in trainer.logged_metrics.items()},
             "report": strategy.memory_report().as_dict(),
             "comm": strategy.comm_report().nbytes,
+            "intra": strategy.comm_report().intra_node_bytes,
+            "inter": strategy.comm_report().inter_node_bytes,
+            "by_group": dict(strategy.comm_report().by_group),
         }
     try:
         trainer = make_trainer(world_size, DDPStrategy(), max_steps=1, callbacks=[ZeroMonitor()])
@@ -92,15 +104,32 @@ def test_monitor_logs_the_strategy_report_every_step(runs: tuple[Path, list[dict
         "zero/optimizer_states_bytes": rank0["report"]["optimizer_states"],
         "zero/offloaded_bytes": rank0["report"]["offloaded"],
         "zero/comm_bytes": rank0["comm"],
+        "zero/intra_node_bytes": rank0["intra"],
+        "zero/inter_node_bytes": rank0["inter"],
     }
+    assert rank0["inter"] == 0  # one node
+    # Half of each count goes to the one peer (rounded down per collective); a group of one rank sends nothing.
+    travelling = rank0["comm"] - rank0["by_group"].get("shard", 0)
+    assert rank0["intra"] - travelling // WORLD_SIZE in range(-8, 1)
+    names = METRICS
+    if stage == "2hybrid":
+        names += HYBRID_METRICS
+        expected["zero/shard_group_bytes"] = rank0["by_group"].get("shard", 0)
+        expected["zero/replicate_group_bytes"] = rank0["by_group"]["replicate"]
+        # Counted as ZeRO counts (the full buffer: a reduce-scatter and an all-gather, fp32), though a group of one
+        # rank sends none of it; the gradient is all-reduced across the replicas (counted twice, fp32).
+        assert expected["zero/shard_group_bytes"] == 8 * PSI
+        assert expected["zero/replicate_group_bytes"] == 8 * PSI
+    else:
+        assert not any(name in rows[-1] for name in HYBRID_METRICS)
     # Offload moves the master and the state (fp32 AdamW: 12 bytes an owned element) off the device.
     assert (expected["zero/offloaded_bytes"] > 0) == (stage == "2cpu")
     assert (expected["zero/optimizer_states_bytes"] == 0) == (stage == "2cpu")
-    assert {name: float(rows[-1][name]) for name in METRICS} == expected
-    assert {name: rank0["logged"][name] for name in METRICS} == expected
+    assert {name: float(rows[-1][name]) for name in names} == expected
+    assert {name: rank0["logged"][name] for name in names} == expected
     # Model states do not change size between steps; communication is the same every step.
     for row in rows[1:]:
-        assert {name: float(row[name]) for name in METRICS} == expected
+        assert {name: float(row[name]) for name in names} == expected
 
 
 @pytest.mark.parametrize("stage", [1, 2])

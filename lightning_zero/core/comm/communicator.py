@@ -85,6 +85,8 @@ class CommStats:
     by_op: dict[str, int] = field(default_factory=dict)
     intra_node_bytes: int = 0
     inter_node_bytes: int = 0
+    by_group: dict[str, int] = field(default_factory=dict)  # by the group's job: "world", "shard", "replicate", ...
+    group: str = "world"  # the job of the group these counts are of (merged counts: of the first)
     # Of this group's p ranks, the peers on this rank's node, on other nodes, and p (see [Note: counting communication])
     peers: tuple[int, int, int] = (0, 0, 1)
 
@@ -92,28 +94,42 @@ class CommStats:
         self.nbytes += nbytes
         self.calls += 1
         self.by_op[op] = self.by_op.get(op, 0) + nbytes
+        self.by_group[self.group] = self.by_group.get(self.group, 0) + nbytes
         same_node, other_nodes, size = self.peers
         self.intra_node_bytes += nbytes * same_node // size
         self.inter_node_bytes += nbytes * other_nodes // size
 
     def merged(self, other: CommStats) -> CommStats:
         """The counts of both (e.g. the shard group's and the stage-3 gather group's)."""
-        by_op = dict(self.by_op)
+        by_op, by_group = dict(self.by_op), dict(self.by_group)
         for op, nbytes in other.by_op.items():
             by_op[op] = by_op.get(op, 0) + nbytes
+        for group, nbytes in other.by_group.items():
+            by_group[group] = by_group.get(group, 0) + nbytes
         return CommStats(
             self.nbytes + other.nbytes,
             self.calls + other.calls,
             by_op,
             self.intra_node_bytes + other.intra_node_bytes,
             self.inter_node_bytes + other.inter_node_bytes,
+            by_group,
+            self.group,
         )
 
     def reset(self) -> CommStats:
         """Return the counts so far and start again from zero."""
-        snapshot = CommStats(self.nbytes, self.calls, dict(self.by_op), self.intra_node_bytes, self.inter_node_bytes)
-        snapshot.peers = self.peers
+        snapshot = CommStats(
+            self.nbytes,
+            self.calls,
+            dict(self.by_op),
+            self.intra_node_bytes,
+            self.inter_node_bytes,
+            dict(self.by_group),
+            self.group,
+            self.peers,
+        )
         self.nbytes, self.calls, self.by_op, self.intra_node_bytes, self.inter_node_bytes = 0, 0, {}, 0, 0
+        self.by_group = {}
         return snapshot
 
 
@@ -125,6 +141,7 @@ class Communicator:
         notices: where a rank that raised says so (default: the job's store, for gloo).
         ranks_per_node: how many consecutive global ranks share a node (default: ``LOCAL_WORLD_SIZE`` as torchrun
             and Lightning set it, else every rank on one node); only the byte counts by node read it.
+        role: the group's job, under which :attr:`CommStats.by_group` counts its bytes.
     """
 
     def __init__(
@@ -132,6 +149,7 @@ class Communicator:
         group: dist.ProcessGroup | None = None,
         notices: FailureNotices | None = None,
         ranks_per_node: int | None = None,
+        role: str = "world",
     ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
@@ -142,7 +160,7 @@ class Communicator:
         node = self.global_rank // self.ranks_per_node
         peers = [rank for rank in self.ranks if rank != self.global_rank]
         same_node = sum(1 for rank in peers if rank // self.ranks_per_node == node)
-        self.stats = CommStats(peers=(same_node, len(peers) - same_node, self.world_size))
+        self.stats = CommStats(group=role, peers=(same_node, len(peers) - same_node, self.world_size))
         backend = dist.get_backend(group)
         # gloo implements the single-tensor reduce-scatter as a copy plus a full all-reduce (measured 1.8x
         # slower on a 25 MiB bucket, docs/benchmarks.md); its list form is a real reduce-scatter.
@@ -162,28 +180,29 @@ class Communicator:
         Collectives are matched in issue order per group, so two independent streams of collectives (stage-3
         gathers and gradient reductions) each need their own group. See core/comm/topology.py."""
         if self._companion is None:
-            self._companion = self._subgroup(list(self.ranks))
+            self._companion = self._subgroup(list(self.ranks), "gather")
         assert self._companion is not None
         return self._companion
 
-    def split(self, groups: Sequence[Sequence[int]]) -> Communicator:
+    def split(self, groups: Sequence[Sequence[int]], role: str) -> Communicator:
         """A communicator over the one of ``groups`` (lists of global ranks that cover this group's ranks) that holds
-        this rank. Collective: every rank creates every group, in the order given (``new_group`` is a collective)."""
+        this rank, counting under ``role``. Collective: every rank creates every group, in the order given
+        (``new_group`` is a collective)."""
         mine = None
         for ranks in groups:
-            made = self._subgroup(list(ranks))
+            made = self._subgroup(list(ranks), role)
             mine = made if self.global_rank in ranks else mine
         if mine is None:
             raise ValueError(f"rank {self.global_rank} is in none of the groups {[list(g) for g in groups]}")
         return mine
 
-    def _subgroup(self, ranks: list[int]) -> Communicator | None:
+    def _subgroup(self, ranks: list[int], role: str) -> Communicator | None:
         """A new group over ``ranks`` (collective over this group's ranks), its communicator where this rank is in."""
         # With the parent's timeout: new_group's default (30 minutes) would let a hung rank stall the collectives.
         group = dist.new_group(ranks, timeout=_timeout_of(self.group))
         if self.global_rank not in ranks:
             return None
-        return Communicator(group, notices=self.notices, ranks_per_node=self.ranks_per_node)
+        return Communicator(group, notices=self.notices, ranks_per_node=self.ranks_per_node, role=role)
 
     def _on_host(self, *tensors: Tensor) -> bool:
         """A tensor of the collective rests on the host while the backend (NCCL) takes device tensors only."""

@@ -57,11 +57,11 @@ class Topology:
         _check_node_layout(world, shard_size)
         n, k = world.world_size, shard_size
         shards = [world.ranks[g * k : (g + 1) * k] for g in range(n // k)]
-        shard = world.split(shards)
-        replicate = world.split([world.ranks[i::k] for i in range(k)])
+        shard = world.split(shards, "shard")
+        replicate = world.split([world.ranks[i::k] for i in range(k)], "replicate")
         # Every rank creates every group (new_group is a collective of all ranks), so stage 3's gather groups are
         # created as a second split, not as each shard group's companion.
-        return cls(world, shard, shard if stage < 3 else world.split(shards), replicate)
+        return cls(world, shard, shard if stage < 3 else world.split(shards, "gather"), replicate)
 
     @property
     def writes(self) -> bool:
