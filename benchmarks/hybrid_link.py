@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank and step")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per system")
-    parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps per system before those")
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per system before those")
     parser.add_argument("--shard-size", type=int, default=PER_NODE, help="ranks per shard group of the hybrids")
     parser.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP and ZeRO bucket size")
     parser.add_argument("--lr", type=float, default=1e-3)
