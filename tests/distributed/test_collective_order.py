@@ -62,12 +62,15 @@ RAW_COLLECTIVES = (
 )
 
 
-def combinations() -> list[tuple[int, str, str, str]]:
+def combinations() -> list[tuple[int, str, str, str, int | None]]:
+    """Every stage x partition x offload x precision, flat; in fp32 also hybrid (``shard_size=1`` on 2 ranks: a
+    shard group per rank and one replicate group)."""
     cases = []
     for stage, partition, offload, precision in itertools.product(STAGES, PARTITIONS, OFFLOADS, PRECISIONS):
         if offload.startswith("params") and stage != 3:
             continue
-        cases.append((stage, partition, offload, precision))
+        for shard_size in (None, 1) if precision == "32-true" else (None,):
+            cases.append((stage, partition, offload, precision, shard_size))
     return cases
 
 
@@ -111,7 +114,7 @@ class Recorder:
         @functools.wraps(method)
         def wrapper(comm: Any, *args: Any, **kwargs: Any) -> Any:
             if recorder.depth == 0:
-                recorder.events.append(("world" if comm.group is None else "companion", name))
+                recorder.events.append((comm.role, name))  # "world", "shard", "gather", "replicate"
             recorder.depth += 1
             try:
                 return method(comm, *args, **kwargs)
@@ -142,7 +145,9 @@ class Recorder:
         return wrapper
 
 
-def _record(rank: int, world_size: int, cases: list[tuple[int, str, str, str]], nvme: str) -> dict[str, Any]:
+def _record(
+    rank: int, world_size: int, cases: list[tuple[int, str, str, str, int | None]], nvme: str
+) -> dict[str, Any]:
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     recorder = Recorder()
     recorder.install()
@@ -152,7 +157,7 @@ def _record(rank: int, world_size: int, cases: list[tuple[int, str, str, str]], 
     from lightning_zero.core.options import EngineOptions
 
     results: dict[str, Any] = {}
-    for index, (stage, partition, offload, precision) in enumerate(cases):
+    for index, (stage, partition, offload, precision, shard_size) in enumerate(cases):
         recorder.events, recorder.outside = [], []
         torch.manual_seed(0)
         model = Blocks()
@@ -167,6 +172,7 @@ def _record(rank: int, world_size: int, cases: list[tuple[int, str, str, str]], 
             bucket_cap_mb=0.0005,
             wrap_policy={nn.Linear} if stage == 3 else None,
             overlap_comm=index % 2 == 0,
+            shard_size=shard_size,
         )
         policy = PrecisionPolicy(torch.bfloat16, torch.float32, torch.float32) if precision == "bf16-mixed" else None
         engine = ZeroEngine(model, [optimizer], options, Communicator(), precision=policy)
@@ -188,7 +194,7 @@ def _record(rank: int, world_size: int, cases: list[tuple[int, str, str, str]], 
             optimizer.step()
             engine.model.scheduler.reshard_all()
         engine.release()
-        results[f"{stage}/{partition}/{offload}/{precision}"] = {
+        results[f"{stage}/{partition}/{offload}/{precision}/{shard_size}"] = {
             "events": recorder.events,
             "setup": setup,
             "outside": recorder.outside,
@@ -202,7 +208,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_on_ranks(_record, 2, combinations(), nvme, init_group=False)
 
 
-CASES = [f"{s}/{p}/{o}/{q}" for s, p, o, q in combinations()]
+CASES = ["/".join(map(str, case)) for case in combinations()]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -217,9 +223,11 @@ def test_setup_agrees_first_and_every_rank_issues_the_same_collectives(
         assert all(i >= 2 for i in groups), f"rank {rank}: a group was created before the agreements"
         if case.startswith("3/"):
             assert groups, "stage 3 gathers over a group of its own"
+        if case.endswith("/1"):
+            assert {"shard", "replicate"} <= {e[0] for e in events}, f"rank {rank}: hybrid used {set(events)}"
         assert record["outside"] == [], f"rank {rank}: collectives outside the communicator: {record['outside']}"
     first, second = (per_rank[case]["events"] for per_rank in records)
-    for group in ("world", "companion"):
+    for group in ("world", "shard", "gather", "replicate"):
         ours = [e for e in first if e[0] == group]
         theirs = [e for e in second if e[0] == group]
         assert ours == theirs, f"the ranks' {group} collectives differ: {ours} vs {theirs}"

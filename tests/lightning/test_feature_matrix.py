@@ -12,7 +12,9 @@ Factors (every legal pair of two factors' values occurs in some case, see ``test
   the uninterrupted one did;
 - ``checkpoint``: no ``ModelCheckpoint``, one with ``save_last="link"`` every epoch (and the resume reads its epoch-0
   directory and saves over the existing names and link), or one keeping the best of every step (``save_top_k=1``);
-- ``overlap_comm`` on or off; ``bucket_cap_mb`` 25 or tiny (a bucket a parameter).
+- ``overlap_comm`` on or off; ``bucket_cap_mb`` 25 or tiny (a bucket a parameter); ``shard_size`` ``None`` or 1
+  (hybrid sharding with groups of one rank: the gradients are all-reduced across the replicas, one replica writes
+  the checkpoints).
 
 Each case ends with the same parameters as its oracle, a run doing the same maths: in fp32 Lightning's DDP with the
 model's oracle variant (a loss reaching every parameter with zeros where rank 1's does not; the weighted loss scaled
@@ -58,6 +60,7 @@ FACTORS: dict[str, tuple[Any, ...]] = {
     "checkpoint": ("none", "link", "top1"),
     "overlap_comm": (True, False),  # reductions during backward and stage-3 prefetch, or neither
     "bucket_cap_mb": (25, 0.0005),  # one bucket a buffer, or one a parameter
+    "shard_size": (None, 1),  # flat, or hybrid: each rank its own shard group, replicas all-reduce the gradients
 }
 OFFLOAD = {  # offload -> (offload_optimizer, offload_params)
     "none": (False, False),
@@ -67,7 +70,7 @@ OFFLOAD = {  # offload -> (offload_optimizer, offload_params)
     "params_nvme": ("nvme", "nvme"),
 }
 MATHS = ("precision", "weighted", "accumulate_clip", "uneven")  # what the oracle must share with a case
-PLAIN = {"overlap_comm": True, "bucket_cap_mb": 25}  # the oracle's other options
+PLAIN = {"overlap_comm": True, "bucket_cap_mb": 25, "shard_size": None}  # the oracle's other options
 
 
 def legal(case: dict[str, Any]) -> bool:
@@ -171,6 +174,7 @@ def _strategy(case: dict[str, Any], root: Path) -> pl.strategies.Strategy:
         wrap_policy={nn.Linear},
         overlap_comm=case["overlap_comm"],
         bucket_cap_mb=case["bucket_cap_mb"],
+        shard_size=case["shard_size"],
         timeout=TIMEOUT,
     )
 

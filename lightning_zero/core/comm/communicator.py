@@ -152,6 +152,7 @@ class Communicator:
         role: str = "world",
     ) -> None:
         self.group = group
+        self.role = role
         self.rank = dist.get_rank(group)
         self.global_rank = dist.get_rank()  # names this process in errors
         self.world_size = dist.get_world_size(group)
