@@ -244,6 +244,8 @@ def _rank_env(rank: int, host: Host, master: Host) -> dict[str, str]:
         MASTER_PORT=str(PORT),
         RANK=str(rank),
         LOCAL_RANK=str(rank % PER_NODE),
+        LOCAL_WORLD_SIZE=str(PER_NODE),
+        NODE_RANK=str(rank // PER_NODE),
         WORLD_SIZE=str(NODES * PER_NODE),
         GLOO_SOCKET_IFNAME=host.interface,
         OMP_NUM_THREADS="1",

@@ -59,7 +59,7 @@ class HybridZeroSystem(ZeroSystem):
         self.model = make_model(cfg, args.seed).to(self.device)
         self.optimizer = make_adamw(self.model, args.lr)
         stage = int(name[4])
-        options = EngineOptions(stage=stage, bucket_cap_mb=args.bucket_cap_mb, shard_size=args.shard_size)  # type: ignore[call-arg]
+        options = EngineOptions(stage=stage, bucket_cap_mb=args.bucket_cap_mb, shard_size=args.shard_size)
         self.policy = None
         self.engine = ZeroEngine(self.model, [self.optimizer], options, Communicator(group), device=self.device)
         self.last_comm = {}

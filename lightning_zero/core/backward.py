@@ -38,6 +38,8 @@ class BackwardPass:
     ) -> None:
         self.model = model
         self.scaling = scaling
+        # Every rank steps with the same hyper-parameters: see [Note: agreeing on hyper-parameters].
+        self.hyperparameters = HyperparameterAgreement(comm, model.optimizers)
         self.reducer = GradReducer(
             model.buckets,
             comm,
@@ -45,7 +47,7 @@ class BackwardPass:
             reduce_every_backward=stage >= 2,
             on_backward_event=self._queue_end_of_backward,
             on_bucket_ready=self._on_bucket_ready if stage == 3 else None,
-            rider=HyperparameterAgreement(comm, model.optimizers),  # see [Note: agreeing on hyper-parameters]
+            rider=self.hyperparameters,
         )
         self._end_queued = False
         self._ended = False  # the end of backward ran from autograd; finish() consumes it

@@ -81,6 +81,9 @@ class ZeroEngine:
         precision: the dtypes held (default: the parameters' own, no master copy).
         loss_scaler: fp16 dynamic loss scaling, decided by all ranks together.
         agree_also: further ``(name, value)`` pairs every rank must agree on (the caller's own options).
+        optimizers_later: optimizers will join after setup (:meth:`add_optimizer`, Fabric's ``setup_optimizers``):
+            at stage 3 every trainable parameter gets the store of an optimized one (fp32 master, offload) now,
+            since its unit is sharded now.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class ZeroEngine:
         precision: PrecisionPolicy | None = None,
         loss_scaler: DynamicLossScaler | None = None,
         agree_also: Sequence[tuple[str, object]] = (),
+        optimizers_later: bool = False,
     ) -> None:
         self.module, self.options, self.comm = module, options, comm
         self.optimizers = list(optimizers)
@@ -127,7 +131,8 @@ class ZeroEngine:
         )
         self._state_dict_hooks = []  # stage 3: state_dict() in gathered() copies
         if options.stage == 3:
-            units, groups = self.packer.units(options.wrap_policy, {id(p) for p in setup.optimized(self.optimizers)})
+            trained = module.parameters() if optimizers_later else setup.optimized(self.optimizers)
+            units, groups = self.packer.units(options.wrap_policy, {id(p) for p in trained if p.requires_grad})
             self.model.groups = groups
             self._state_dict_hooks = clone_gathered_in_state_dicts(module)
         else:
@@ -138,16 +143,34 @@ class ZeroEngine:
                 units, self.topology.gather, options.overlap_comm, self.backward.passed_over
             )
         self.last_step_comm = CommStats()
-        take_comm = lambda: setattr(self, "last_step_comm", self.topology.take_stats())  # noqa: E731
-        self.model.steps = [
-            OptimizerStep(o, [], self.topology, self.device, self.scaling, take_comm, self.loss_weights.agree)
-            for o in self.optimizers
-        ]
+        self.model.steps = [self._step(o) for o in self.optimizers]
         setup.bind_optimizers(self.model)
         install_module_zero_grad(module, self.model.steps)
         self.changes = ChangeWatch(self.optimizers, comm, self.device)  # see [Note: changes after setup]
         self.changes.remember(self.model.managed_ids())
         self.topology.take_stats()  # setup's broadcasts and agreements are not the first step's communication
+
+    def _step(self, optimizer: Optimizer) -> OptimizerStep:
+        return OptimizerStep(
+            optimizer, [], self.topology, self.device, self.scaling, self._take_comm, self.loss_weights.agree
+        )
+
+    def _take_comm(self) -> None:
+        self.last_step_comm = self.topology.take_stats()
+
+    def add_optimizer(self, optimizer: Optimizer) -> None:
+        """Manage ``optimizer``, created after setup over the module's (sharded) parameters: its parameters not
+        held yet are sharded, its existing state sliced (collective: every rank adds the same optimizers in the same
+        order). See [Note: changes after setup]."""
+        if any(optimizer is other for other in self.optimizers):
+            raise ValueError(f"{type(optimizer).__name__} is managed by this ZeroEngine already.")
+        self.optimizers.append(optimizer)
+        self.model.steps.append(self._step(optimizer))
+        self.changes.optimizers.append(optimizer)
+        self.backward.hyperparameters.optimizers.append(optimizer)
+        install_module_zero_grad(self.module, self.model.steps)
+        self._take_changes()
+        self.changes.remember(self.model.managed_ids())
 
     # ------------------------------------------------------------------ each iteration
     def begin_iteration(self) -> None:
