@@ -210,7 +210,8 @@ def _make_optimizer(name: str, params: Any, lr: float, weight_decay: float) -> t
 
 
 def make_loader(model: str, samples: int = 96) -> DataLoader:
-    """The same fixed data on every rank; Lightning's DistributedSampler splits it (no shuffling)."""
+    """The same fixed data on every rank; Lightning's DistributedSampler splits it (shuffled, seed 0: alike in every
+    run)."""
     gen = torch.Generator().manual_seed(1)
     if model == "tied":
         tokens = torch.randint(0, TiedLM.VOCAB, (samples, 5), generator=gen)
