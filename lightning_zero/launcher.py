@@ -1,20 +1,9 @@
-"""The spawn/fork launcher of ZeroStrategy: Lightning's, handing the main process the gathered weights; and the end
-of a rank's process groups whatever started it.
-
-[Note: destroying the groups when a rank ends]
-A rank that ends with its gloo groups alive may abort in interpreter teardown (see [Note: groups alive at exit] in
-core/comm/communicator.py), so after a run that ended well they are destroyed while the interpreter is whole: by the
-spawn/fork worker when ``fit`` returned, and, for ranks that run the script themselves (Lightning's ``"popen"``
-launcher, torchrun, a cluster's launcher), by an exit hook the strategy registers when it sets up the process group. The
-groups stay until exit: a second ``fit``, ``trainer.test`` or the user's own collectives may follow. Once this
-process saw an exception (the strategy's ``on_exception``, the worker's, or one that ends the script) the hook
-leaves them: destroying a group with a collective in flight waits for the other ranks, which may never come.
+"""The spawn/fork launcher of ZeroStrategy: Lightning's, handing the main process the gathered weights.
+See [Note: destroying the groups when a rank ends] in process_exit.py.
 """
 
 from __future__ import annotations
 
-import atexit
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,7 +14,9 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_zero import collectives
 from lightning_zero.core.comm import destroy_groups
+from lightning_zero.process_exit import note_exception
 
 
 class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
@@ -43,9 +34,7 @@ class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
             # the other ranks learn of it here, while this process still lives (see [Note: a rank that raises and
             # stays alive]).
             note_exception()
-            comm = getattr(self._strategy, "_comm", None)
-            if comm is not None:
-                comm.post_failure(error)
+            collectives.post_failure(self._strategy.session.comm, error)
             raise
         # Every rank is past its last collective (see [Note: destroying the groups when a rank ends]).
         destroy_groups()
@@ -58,32 +47,6 @@ class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
         full = engine.full_state_dict(keep=self._strategy.local_rank == 0)  # collective
         with _state_dict_returning(trainer.lightning_module, full):
             return super()._collect_rank_zero_results(trainer, results)
-
-
-class _Exit:
-    """This process's exit hook: registered once; ``raised`` once an exception was seen."""
-
-    registered = False
-    raised = False
-
-
-def destroy_groups_at_exit() -> None:
-    """Destroy the process groups when this process exits, unless it saw an exception (see [Note: destroying the
-    groups when a rank ends]). Registered once per process."""
-    if not _Exit.registered:
-        _Exit.registered = True
-        atexit.register(_destroy_groups_unless_raised)
-
-
-def note_exception() -> None:
-    """This process saw an exception in a run: its groups stay at exit."""
-    _Exit.raised = True
-
-
-def _destroy_groups_unless_raised() -> None:
-    uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # an exception ended the script
-    if not (_Exit.raised or uncaught is not None):
-        destroy_groups()
 
 
 @contextmanager

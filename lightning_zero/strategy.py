@@ -40,8 +40,9 @@ from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.memory import MemoryReport
 from lightning_zero.core.options import EngineOptions, OffloadTarget
-from lightning_zero.launcher import ZeroMultiProcessingLauncher, destroy_groups_at_exit, note_exception
+from lightning_zero.launcher import ZeroMultiProcessingLauncher
 from lightning_zero.precision import ZeroPrecision, unwrap_optimizer
+from lightning_zero.process_exit import destroy_groups_at_exit, note_exception
 from lightning_zero.session import ZeroSession, half_built, move_materialized
 
 __all__ = ["ZeroStrategy", "move_materialized"]
@@ -200,7 +201,7 @@ class ZeroStrategy(ParallelStrategy):
             self.cluster_environment, self.process_group_backend, timeout=self.config.timeout, device_id=device_id
         )
         self.session.comm = Communicator(ranks_per_node=self.num_processes)
-        destroy_groups_at_exit()  # see [Note: destroying the groups when a rank ends] in launcher.py
+        destroy_groups_at_exit()  # see [Note: destroying the groups when a rank ends] in process_exit.py
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

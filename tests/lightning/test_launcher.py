@@ -165,14 +165,14 @@ def test_a_rank_that_finished_destroys_its_process_groups_before_exit() -> None:
 def _exit_hook(rank: int, world_size: int) -> dict[str, tuple[bool, int]]:
     import torch.distributed as dist
 
-    from lightning_zero import launcher
+    from lightning_zero import process_exit
 
     _stage3_groups()
     ZeroStrategy(stage=3).on_exception(RuntimeError("a failed run"))  # as Lightning calls it
-    launcher._destroy_groups_unless_raised()
+    process_exit._destroy_groups_unless_raised()
     after_exception = dist.is_initialized(), _gloo_threads()
-    launcher._Exit.raised = False  # a process that saw none
-    launcher._destroy_groups_unless_raised()
+    process_exit._Exit.raised = False  # a process that saw none
+    process_exit._destroy_groups_unless_raised()
     return {"after_exception": after_exception, "after_success": (dist.is_initialized(), _gloo_threads())}
 
 
@@ -212,3 +212,44 @@ def test_popen_launched_stage3_ranks_exit_cleanly(tmp_path: Path) -> None:
         assert status == 0, stderr[-3000:]
         assert "rank 1 exit status 0" in stderr, stderr[-3000:]
         assert "terminate called" not in stderr, stderr[-3000:]
+
+
+def _worker_raises(rank: int, world_size: int) -> Any:
+    import queue
+    import time
+
+    from lightning_zero.core.comm import Communicator
+    from lightning_zero.launcher import ZeroMultiProcessingLauncher
+
+    strategy = ZeroStrategy(stage=2)
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.session.comm = Communicator()
+    if rank == 1:  # its spawned worker's function raises; the process stays alive a while
+        launcher = ZeroMultiProcessingLauncher(strategy, start_method="spawn")
+        try:
+            launcher._wrapping_function(0, None, _raise, (), {}, queue.Queue())
+        except ValueError:
+            time.sleep(5)
+        return "raised"
+    start = time.monotonic()
+    try:
+        strategy.session.comm.barrier()
+    except RuntimeError as error:
+        return type(error).__name__, str(error), time.monotonic() - start
+    return "no error"
+
+
+def _raise() -> None:
+    raise ValueError("the worker's own failure")
+
+
+def test_a_spawned_worker_that_raises_ends_the_other_ranks_waits() -> None:
+    """The spawn launcher posts the failure of its worker's function (as ``on_exception`` does in the main process):
+    the other ranks stop waiting within seconds, the error naming the rank and its exception."""
+    waiting, raised = run_on_ranks(_worker_raises, 2, timeout_s=60)
+    assert raised == "raised"
+    name, message, seconds = waiting
+    assert name == "RankFailedError", waiting
+    assert "rank 1" in message, message
+    assert "the worker's own failure" in message, message
+    assert seconds < 4, seconds
