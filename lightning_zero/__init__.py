@@ -1,10 +1,13 @@
 """lightning-zero: ZeRO stages 1-3 for PyTorch Lightning, in pure PyTorch."""
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.checkpoint import consolidate
 from lightning_zero.core.memory import MemoryReport
 from lightning_zero.estimate import MemoryEstimate, estimate_memory
+from lightning_zero.fabric_precision import ZeroFabricPrecision
+from lightning_zero.fabric_strategy import ZeroFabricStrategy
 from lightning_zero.loading import load_from_checkpoint
 from lightning_zero.monitor import ZeroMonitor
 from lightning_zero.precision import ZeroPrecision
@@ -14,6 +17,8 @@ from lightning_zero.version import __version__
 __all__ = [
     "MemoryEstimate",
     "MemoryReport",
+    "ZeroFabricPrecision",
+    "ZeroFabricStrategy",
     "ZeroMonitor",
     "ZeroPrecision",
     "ZeroStrategy",
@@ -24,3 +29,4 @@ __all__ = [
 ]
 
 ZeroStrategy.register_strategies(StrategyRegistry)
+ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)

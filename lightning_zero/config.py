@@ -14,7 +14,14 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
-from lightning_zero.core.options import EngineOptions, check_bool, check_choice, describe_policy, resolve_policy
+from lightning_zero.core.options import (
+    EngineOptions,
+    OffloadTarget,
+    check_bool,
+    check_choice,
+    describe_policy,
+    resolve_policy,
+)
 
 STATE_DICT_TYPES = ("sharded", "full")
 START_METHODS = ("popen", "spawn", "fork")
@@ -74,3 +81,42 @@ class ZeroConfig:
         values["timeout"] = self.timeout.total_seconds()
         values["activation_checkpointing"] = describe_policy(self.activation_checkpointing)
         return values
+
+
+def zero_config(
+    *,
+    stage: int,
+    offload_optimizer: OffloadTarget,
+    offload_params: OffloadTarget,
+    nvme_path: str | None,
+    partition: str,
+    bucket_cap_mb: float,
+    overlap_comm: bool,
+    shard_size: int | None,
+    wrap_policy: Any,
+    activation_checkpointing: Any,
+    state_dict_type: str,
+    process_group_backend: str | None,
+    timeout: timedelta,
+    weighted_loss: bool,
+) -> ZeroConfig:
+    """The configuration of the keyword arguments that ``ZeroStrategy`` and ``ZeroFabricStrategy`` both take."""
+    engine = EngineOptions(
+        stage=stage,
+        bucket_cap_mb=bucket_cap_mb,
+        overlap_comm=overlap_comm,
+        wrap_policy=wrap_policy,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+        nvme_path=nvme_path,
+        partition=partition,
+        shard_size=shard_size,
+    )
+    return ZeroConfig(
+        engine,
+        activation_checkpointing=activation_checkpointing,
+        state_dict_type=state_dict_type,
+        process_group_backend=process_group_backend,
+        timeout=timeout,
+        weighted_loss=weighted_loss,
+    )

@@ -147,10 +147,12 @@ class ZeroSession:
         precision: PrecisionPolicy,
         loss_scaler: DynamicLossScaler | None,
         loss_factor: float = 1.0,
+        optimizers_later: bool = False,
     ) -> None:
         """Build the engine that shards ``module``: for training, and at stage 3 for evaluation too (it creates the
         parameters of a model built on the meta device). Evaluation at stages 1 and 2 only broadcasts rank 0's
-        parameters and buffers. ``loss_factor`` undoes the loop's own scaling of each loss (``weighted_loss``)."""
+        parameters and buffers. ``loss_factor`` undoes the loop's own scaling of each loss (``weighted_loss``);
+        ``optimizers_later``: optimizers join afterwards (``ZeroEngine.add_optimizer``)."""
         comm = self._require_comm()
         if not (fitting or self.config.engine.stage == 3):
             setup.broadcast_module_states(module, comm)
@@ -165,6 +167,7 @@ class ZeroSession:
             precision=precision,
             loss_scaler=loss_scaler,
             agree_also=[(k, v) for k, v in sorted(self.config.describe().items()) if k not in engine_keys],
+            optimizers_later=optimizers_later,
         )
         self._engine = engine
         if fitting and self.config.weighted_loss:
@@ -184,10 +187,16 @@ class ZeroSession:
     # ------------------------------------------------------------------ training and evaluation
     @contextmanager
     def training_forward(self, manual: bool) -> Generator[None, None, None]:
-        """Around one ``training_step``: whatever an exception in the last iteration left is reset, parameters
-        unfrozen or added to an optimizer since then are sharded (collective); rank 0's buffers are broadcast as
-        DDP does; at stage 3 the root unit is gathered (held through the block in manual optimization, where
-        forwards may follow a backward)."""
+        """Around one ``training_step``: :meth:`begin_training_forward`, and at stage 3 the root unit held through
+        the block in manual optimization, where forwards may follow a backward."""
+        self.begin_training_forward()
+        with self._engine.model.scheduler.hold_root() if manual else nullcontext():
+            yield
+
+    def begin_training_forward(self) -> None:
+        """Before a training forward: whatever an exception in the last iteration left is reset, parameters unfrozen
+        or added to an optimizer since then are sharded (collective); rank 0's buffers are broadcast as DDP does;
+        at stage 3 the root unit is gathered."""
         engine = self._engine
         engine.begin_iteration()
         # As DDP: rank 0's buffers (BatchNorm statistics) are broadcast in a forward that follows one whose
@@ -198,8 +207,6 @@ class ZeroSession:
         # Stage 3: the step may use root-unit parameters without calling the root's forward; the end of
         # backward frees them again, except in manual optimization.
         engine.model.scheduler.unshard_root()
-        with engine.model.scheduler.hold_root() if manual else nullcontext():
-            yield
 
     def take_training_step_output(self, output: Any, automatic: bool, step: int) -> None:
         """Check ``output`` against ``weighted_loss`` and give its weight to the engine (see loss_weighting.py)."""

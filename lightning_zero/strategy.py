@@ -35,11 +35,11 @@ from typing_extensions import override
 
 from lightning_zero import collectives, loss_weighting
 from lightning_zero.checkpoint import remove_sharded
-from lightning_zero.config import PRESETS, START_METHODS, ZeroConfig
+from lightning_zero.config import PRESETS, START_METHODS, zero_config
 from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.memory import MemoryReport
-from lightning_zero.core.options import EngineOptions, OffloadTarget
+from lightning_zero.core.options import OffloadTarget
 from lightning_zero.launcher import ZeroMultiProcessingLauncher
 from lightning_zero.precision import ZeroPrecision, unwrap_optimizer
 from lightning_zero.process_exit import destroy_groups_at_exit, note_exception
@@ -101,18 +101,16 @@ class ZeroStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        self.config = ZeroConfig(
-            EngineOptions(
-                stage=stage,
-                bucket_cap_mb=bucket_cap_mb,
-                overlap_comm=overlap_comm,
-                wrap_policy=wrap_policy,
-                offload_optimizer=offload_optimizer,
-                offload_params=offload_params,
-                nvme_path=nvme_path,
-                partition=partition,
-                shard_size=shard_size,
-            ),
+        self.config = zero_config(
+            stage=stage,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            nvme_path=nvme_path,
+            partition=partition,
+            bucket_cap_mb=bucket_cap_mb,
+            overlap_comm=overlap_comm,
+            shard_size=shard_size,
+            wrap_policy=wrap_policy,
             activation_checkpointing=activation_checkpointing,
             state_dict_type=state_dict_type,
             process_group_backend=process_group_backend,

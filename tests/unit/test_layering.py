@@ -7,8 +7,9 @@
 2. ``lightning_zero.checkpoint`` reads an engine only through its named-state API: none of its modules names the
    engine's internals (buffers, stores, buckets, steps, units).
 3. Only ``core/comm/`` calls ``torch.distributed``.
-4. What a Fabric strategy shares with ``ZeroStrategy`` (``session.py``, ``collectives.py``) imports no
-   ``lightning.pytorch``: import-linter forbids external packages only whole, and these may use Lightning Fabric.
+4. ``ZeroFabricStrategy`` and what it shares with ``ZeroStrategy`` (``session.py``, ``collectives.py``,
+   ``precision_settings.py``, ``process_exit.py``) import no ``lightning.pytorch``: import-linter forbids external
+   packages only whole, and these may use Lightning Fabric.
 """
 
 from __future__ import annotations
@@ -102,7 +103,17 @@ def test_only_comm_calls_torch_distributed_in_core(path: Path) -> None:
     assert "torch.distributed" not in modules, path.name
 
 
-FABRIC_SHARED = [PACKAGE_DIR / "session.py", PACKAGE_DIR / "collectives.py"]
+FABRIC_SHARED = [
+    PACKAGE_DIR / name
+    for name in (
+        "session.py",
+        "collectives.py",
+        "precision_settings.py",
+        "process_exit.py",
+        "fabric_strategy.py",
+        "fabric_precision.py",
+    )
+]
 
 
 def lightning_trainer_imports(source: str) -> list[str]:

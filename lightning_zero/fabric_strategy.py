@@ -1,0 +1,487 @@
+"""ZeroFabricStrategy: Lightning Fabric's front door to the same ZeRO session as the Trainer's ``ZeroStrategy``.
+
+Fabric glue over ``session.py`` (the engine, its setup and checkpoint I/O), ``collectives.py`` and
+``precision_settings.py``, which both strategies share; the step protocol is the engine's (see [Note: the step
+window] in core/step/optimizer_step.py). Imports no ``lightning.pytorch``.
+
+[Note: Fabric checkpoints]
+``fabric.save(path, {"model": model, "optimizer": optimizer, "iter_num": n, ...})`` with ``state_dict_type=
+"sharded"`` writes the Trainer strategy's sharded directory: the model's shards and every managed optimizer's state
+in each rank's file, everything else (and the names under which the state held the model and the optimizers) in
+rank 0's ``lightning.pt``. So a Fabric checkpoint resumes a ``Trainer`` (its ``state_dict`` and
+``optimizer_states``) and a Trainer's resumes Fabric: ``fabric.load(path, state)`` fills the module and the
+optimizers of ``state`` from the shards whatever names they have, restores the other entries of ``state`` that the
+checkpoint holds and returns the rest. With ``state_dict_type="full"`` rank 0 writes one ordinary file whose model
+and optimizer entries are full state dicts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Generator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.fabric as lf
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.strategies import ParallelStrategy, _StrategyRegistry
+from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.fabric.strategies.strategy import (
+    TBroadcast,
+    _BackwardSyncControl,
+    _Sharded,
+    _validate_keys_for_strict_loading,
+)
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.types import _PATH, ReduceOp, _Stateful
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero import collectives, loss_weighting
+from lightning_zero.checkpoint import remove_sharded
+from lightning_zero.config import PRESETS, START_METHODS, zero_config
+from lightning_zero.core.comm import CommStats, Communicator
+from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.memory import MemoryReport
+from lightning_zero.core.options import OffloadTarget
+from lightning_zero.fabric_precision import ZeroFabricPrecision
+from lightning_zero.process_exit import destroy_groups_at_exit, note_exception
+from lightning_zero.session import SHARDED_KEY, ZeroSession, move_materialized
+
+__all__ = ["ZeroFabricStrategy"]
+
+# In a sharded checkpoint's extra state: the names under which fabric.save's state held the model and optimizers.
+FABRIC_KEYS = "lightning_zero_fabric"
+# Entries of a checkpoint dict that are the shards or the reader, never handed back to the caller.
+_OWN_KEYS = ("state_dict", "optimizer_states", SHARDED_KEY, FABRIC_KEYS)
+
+
+class ZeroFabricStrategy(ParallelStrategy, _Sharded):
+    """ZeRO data parallelism for Fabric: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3)
+    sharded, with the options and guarantees of :class:`~lightning_zero.ZeroStrategy` (see its arguments; they are
+    the same, and ``docs/configuration.md`` lists them).
+
+    Example::
+
+        fabric = Fabric(strategy=ZeroFabricStrategy(stage=3), devices=2, precision="bf16-mixed")
+        fabric.launch()
+        with fabric.init_module():  # stage 3: created sharded, never whole on one rank
+            model = GPT(config)
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-4))
+    """
+
+    def __init__(
+        self,
+        stage: Literal[1, 2, 3] = 2,
+        offload_optimizer: OffloadTarget = False,
+        offload_params: OffloadTarget = False,
+        nvme_path: str | None = None,
+        partition: Literal["flat", "parameter"] = "flat",
+        bucket_cap_mb: float = 25,
+        overlap_comm: bool = True,
+        shard_size: int | None = None,
+        wrap_policy: Any = None,
+        activation_checkpointing: Any = None,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+        start_method: Literal["popen", "spawn", "fork"] = "popen",
+        weighted_loss: bool = False,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+    ) -> None:
+        self.config = zero_config(
+            stage=stage,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            nvme_path=nvme_path,
+            partition=partition,
+            bucket_cap_mb=bucket_cap_mb,
+            overlap_comm=overlap_comm,
+            shard_size=shard_size,
+            wrap_policy=wrap_policy,
+            activation_checkpointing=activation_checkpointing,
+            state_dict_type=state_dict_type,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            weighted_loss=weighted_loss,
+        )
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method={start_method!r} is not supported; choose one of {list(START_METHODS)}.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self._start_method = start_method
+        self._num_nodes = 1
+        self.session = ZeroSession(self.config)
+        self._backward_sync_control = _ZeroBackwardSyncControl(self.session)
+        self._module: nn.Module | None = None
+        self._steps = 0  # optimizer steps taken, for the loss weighting's messages
+
+    # ------------------------------------------------------------------ topology
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str:
+        return self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+
+    @property
+    @override
+    def precision(self) -> ZeroFabricPrecision:
+        if not isinstance(self._precision, ZeroFabricPrecision):
+            self._precision = ZeroFabricPrecision()
+        return self._precision
+
+    @precision.setter
+    @override
+    def precision(self, precision: Precision | None) -> None:
+        # Fabric hands over the plugin it chose for its `precision` flag (or `plugins`): translated, or refused with
+        # the supported list.
+        self._precision = None if precision is None else ZeroFabricPrecision.from_plugin(precision)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._set_world_ranks()
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self.process_group_backend, timeout=self.config.timeout, device_id=device_id
+        )
+        self.session.comm = Communicator(ranks_per_node=self.num_processes)
+        self.precision.device = self.root_device.type  # autocast's device
+        destroy_groups_at_exit()  # see [Note: destroying the groups when a rank ends] in process_exit.py
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ creating and setting up the model
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """Stage 3: modules created inside go to the meta device; ``setup_module`` then creates, initialises
+        (``reset_parameters()``) and shards them one gather unit at a time, so no rank holds the whole model."""
+        if self.config.engine.stage != 3:
+            return super().module_init_context(empty_init)
+        stack = ExitStack()
+        stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @contextmanager
+    @override
+    def module_sharded_context(self) -> Generator[None, None, None]:
+        with self.module_init_context():
+            yield
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        # Modules created under init_module() at stage 3 are on the meta device: the engine creates them. Everything
+        # else moves now.
+        move_materialized(module, self.root_device)
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        self._build(module, optimizers, optimizers_later=False)
+        return module, optimizers, scheduler
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard ``module`` (collective); optimizers over its parameters join with :meth:`setup_optimizer`."""
+        self._build(module, [], optimizers_later=True)
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Manage ``optimizer``, made from the parameters of the module set up before (collective)."""
+        if not self.session.sharded:
+            raise RuntimeError(
+                "ZeroFabricStrategy: set up the model first: `model = fabric.setup_module(model)`, then create the "
+                "optimizer from `model.parameters()` and call `fabric.setup_optimizers(optimizer)` (or set both up "
+                "together with `fabric.setup(model, optimizer)`)."
+            )
+        self.session.engine.add_optimizer(optimizer)
+        return optimizer
+
+    def _build(self, module: nn.Module, optimizers: list[Optimizer], optimizers_later: bool) -> None:
+        if self._module is not None:
+            raise RuntimeError(
+                "ZeroFabricStrategy shards one model: it set one up already. Put the models in one nn.Module (e.g. "
+                "an nn.ModuleDict) and set that up, with all their optimizers."
+            )
+        self._module = module
+        precision = self.precision
+        self.session.checkpoint_activations(module)
+        self.session.build(
+            module,
+            optimizers,
+            True,
+            self.root_device,
+            precision.policy(),
+            precision.scaler,
+            optimizers_later=optimizers_later,
+        )
+        precision.attach(self.session.engine_or_none)
+        module.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        """A training forward begins an iteration (collective), as the Trainer's ``training_step`` does; forwards
+        under ``torch.no_grad()`` or in ``eval()`` mode do not, as DDP's."""
+        if module.training and torch.is_grad_enabled():
+            self.session.begin_training_forward()
+
+    # ------------------------------------------------------------------ backward and step
+    @override
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        # fabric.backward(loss_sum, loss_weight=n): the weight goes to the engine, not to torch's backward.
+        weight = kwargs.pop(loss_weighting.WEIGHT_KEY, None)
+        self.session.take_manual_backward(tensor, weight, self._steps)
+        super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        self._steps += 1
+        return super().optimizer_step(optimizer, **kwargs)
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip the step gradients of ``optimizer`` by their norm over every shard; returns the norm (collective)."""
+        norm = self._engine_for_step().step_of(optimizer).clip_grad_norm_(max_norm, norm_type)
+        if error_if_nonfinite and self.precision.scaler is None and not torch.isfinite(norm):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients is non-finite, so it cannot be clipped. "
+                "To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        return norm
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self._engine_for_step().step_of(optimizer).clip_grad_value_(clip_val)
+
+    def _engine_for_step(self) -> ZeroEngine:
+        if not self.session.sharded:
+            raise RuntimeError("ZeroFabricStrategy has no sharded model yet: call `fabric.setup(model, optimizer)`.")
+        return self.session.engine
+
+    @property
+    def global_loss_weight(self) -> float | None:
+        """``weighted_loss=True``: the global weight (tokens of every rank and micro-batch) of the last step."""
+        return self.session.global_loss_weight
+
+    @property
+    def global_mean_loss(self) -> float | None:
+        """``weighted_loss=True``: the last step's loss summed over every rank and micro-batch, over its weight."""
+        return self.session.global_mean_loss
+
+    @contextmanager
+    def gathered_params(self, write_back: bool = False) -> Generator[None, None, None]:
+        """Hold the module's full parameters inside the block (stage 3); see ``ZeroStrategy.gathered_params``."""
+        with self.session.gathered(write_back=write_back):
+            yield
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of parameters, gradients and optimizer state that this rank holds now."""
+        return self.session.memory_report()
+
+    def comm_report(self) -> CommStats:
+        """Bytes this rank moved in collectives during the last optimizer step (see docs/design.md)."""
+        return self.session.comm_report()
+
+    # ------------------------------------------------------------------ collectives
+    # Through the communicator, so that a waiting rank stops when another raised: see [Note: the strategy's
+    # collectives] in collectives.py.
+    @override
+    def all_reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        return collectives.reduce(self.session.comm, tensor, group, reduce_op)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        collectives.barrier(self.session.comm, self.root_device)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return collectives.broadcast(self.session.comm, obj, src)
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks that this one raised (``fabric.launch`` cannot: call it from your ``except``, or let
+        the exception end the process, which ends its connections)."""
+        note_exception()
+        collectives.post_failure(self.session.comm, exception)
+
+    # ------------------------------------------------------------------ checkpoints (see [Note: Fabric checkpoints])
+    @override
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        return self.session.module_state_dict(module, keep=self.is_global_zero)
+
+    @override
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        self.session.load_module_state_dict(module, {"state_dict": state_dict}, strict)
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return self.session.optimizer_state(optimizer, keep=self.is_global_zero)
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        if not self.session.sharded_checkpoints:
+            super().save_checkpoint(path, state, storage_options, filter)
+            return
+        if filter:
+            raise ValueError("ZeroFabricStrategy: `fabric.save(..., filter=...)` needs state_dict_type='full'.")
+        module_keys = [key for key, obj in state.items() if obj is self._module]
+        optimizer_keys = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
+        checkpoint = self._convert_stateful_objects_in_state(
+            {k: v for k, v in state.items() if k not in module_keys + optimizer_keys}, filter={}
+        )
+        checkpoint[FABRIC_KEYS] = {"module": module_keys, "optimizers": optimizer_keys}
+        checkpoint["pytorch-lightning_version"] = lf.__version__  # a Trainer resuming it checks the version
+        checkpoint["state_dict"] = self.session.module_state_dict(self._module, keep=False)
+        checkpoint["optimizer_states"] = [{} for _ in self.session.engine.optimizers]
+        self.session.save_sharded(checkpoint, path, self.precision.precision)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        if isinstance(state, nn.Module | Optimizer):
+            state = {"model" if isinstance(state, nn.Module) else "optimizer": state}
+        if not os.path.isdir(path):
+            return self._load_full(path, state or {}, strict, weights_only)
+        checkpoint = self.session.open_sharded(path)
+        if not state:
+            return checkpoint
+        modules = [key for key, obj in state.items() if isinstance(obj, nn.Module)]
+        optimizers = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
+        held = set(checkpoint) - set(_OWN_KEYS) | set(modules) | set(optimizers)
+        _validate_keys_for_strict_loading(state.keys(), held, strict=strict)
+        for key in modules:
+            self.session.load_module_state_dict(state[key], checkpoint, strict)
+        if optimizers:
+            self.session.load_optimizer_states(self.session.engine.optimizers, checkpoint, strict)
+        for key, obj in list(state.items()):
+            if key in modules or key in optimizers or key not in checkpoint:
+                continue
+            if isinstance(obj, _Stateful):
+                obj.load_state_dict(checkpoint.pop(key))
+            else:
+                state[key] = checkpoint.pop(key)
+        return {k: v for k, v in checkpoint.items() if k not in _OWN_KEYS}
+
+    def _load_full(
+        self, path: _PATH, state: Mapping[str, Any], strict: bool, weights_only: bool | None
+    ) -> dict[str, Any]:
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        if not state:
+            return checkpoint
+        _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict=strict)
+        for key, obj in list(state.items()):
+            if key not in checkpoint:
+                continue
+            saved = checkpoint.pop(key)
+            if isinstance(obj, nn.Module):
+                self.load_module_state_dict(obj, saved, strict)
+            elif isinstance(obj, Optimizer) and self.session.sharded and self.session.engine.model.manages(obj):
+                self.session.engine.load_full_optimizer_state_dict(obj, saved)
+            elif isinstance(obj, _Stateful):
+                obj.load_state_dict(saved)
+            else:
+                state[key] = saved  # type: ignore[index]
+        return checkpoint
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Rank 0 removes a sharded checkpoint directory (or a link to one)."""
+        if self.is_global_zero:
+            remove_sharded(path)
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def teardown(self) -> None:
+        # The engine stays (without hooks): memory_report(), fabric.save() and gathered_params() work afterwards.
+        self.session.remove_hooks()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, (init_params, description) in PRESETS.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, **init_params)
+
+
+class _ZeroBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: backward passes inside accumulate without reducing where the stage allows
+    (stage 1 keeps full local gradients; stages 2 and 3 reduce every backward into the held shards)."""
+
+    def __init__(self, session: ZeroSession) -> None:
+        self.session = session
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return self.session.no_sync() if enabled else nullcontext()
