@@ -27,31 +27,24 @@ import lightning.fabric as lf
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.strategies import ParallelStrategy, _StrategyRegistry
+from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import (
-    TBroadcast,
     _BackwardSyncControl,
     _Sharded,
     _validate_keys_for_strict_loading,
 )
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import _PATH, ReduceOp, _Stateful
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import collectives, loss_weighting
 from lightning_zero.checkpoint import remove_sharded
-from lightning_zero.config import PRESETS, START_METHODS, zero_config
-from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.memory import MemoryReport
 from lightning_zero.core.options import OffloadTarget
 from lightning_zero.fabric_precision import ZeroFabricPrecision
-from lightning_zero.process_exit import destroy_groups_at_exit, note_exception
+from lightning_zero.front_door import ZeroFrontDoor
 from lightning_zero.session import SHARDED_KEY, ZeroSession, move_materialized
 
 __all__ = ["ZeroFabricStrategy"]
@@ -62,7 +55,7 @@ FABRIC_KEYS = "lightning_zero_fabric"
 _OWN_KEYS = ("state_dict", "optimizer_states", SHARDED_KEY, FABRIC_KEYS)
 
 
-class ZeroFabricStrategy(ParallelStrategy, _Sharded):
+class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
     """ZeRO data parallelism for Fabric: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3)
     sharded, with the options and guarantees of :class:`~lightning_zero.ZeroStrategy` (see its arguments; they are
     the same, and ``docs/configuration.md`` lists them).
@@ -100,24 +93,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
     ) -> None:
-        self.config = zero_config(
-            stage=stage,
-            offload_optimizer=offload_optimizer,
-            offload_params=offload_params,
-            nvme_path=nvme_path,
-            partition=partition,
-            bucket_cap_mb=bucket_cap_mb,
-            overlap_comm=overlap_comm,
-            shard_size=shard_size,
-            wrap_policy=wrap_policy,
-            activation_checkpointing=activation_checkpointing,
-            state_dict_type=state_dict_type,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            weighted_loss=weighted_loss,
-        )
-        if start_method not in START_METHODS:
-            raise ValueError(f"start_method={start_method!r} is not supported; choose one of {list(START_METHODS)}.")
+        self._take_options(locals(), start_method)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -125,41 +101,11 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
             checkpoint_io=checkpoint_io,
             precision=precision,
         )
-        self._start_method = start_method
-        self._num_nodes = 1
-        self.session = ZeroSession(self.config)
         self._backward_sync_control = _ZeroBackwardSyncControl(self.session)
         self._module: nn.Module | None = None
         self._steps = 0  # optimizer steps taken, for the loss weighting's messages
 
-    # ------------------------------------------------------------------ topology
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str:
-        return self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-
+    # ------------------------------------------------------------------ topology (see front_door.py)
     @property
     @override
     def precision(self) -> ZeroFabricPrecision:
@@ -185,21 +131,8 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._set_world_ranks()
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self.process_group_backend, timeout=self.config.timeout, device_id=device_id
-        )
-        self.session.comm = Communicator(ranks_per_node=self.num_processes)
+        self._start_process_group()
         self.precision.device = self.root_device.type  # autocast's device
-        destroy_groups_at_exit()  # see [Note: destroying the groups when a rank ends] in process_exit.py
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     # ------------------------------------------------------------------ creating and setting up the model
     @override
@@ -318,52 +251,12 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
             raise RuntimeError("ZeroFabricStrategy has no sharded model yet: call `fabric.setup(model, optimizer)`.")
         return self.session.engine
 
-    @property
-    def global_loss_weight(self) -> float | None:
-        """``weighted_loss=True``: the global weight (tokens of every rank and micro-batch) of the last step."""
-        return self.session.global_loss_weight
-
-    @property
-    def global_mean_loss(self) -> float | None:
-        """``weighted_loss=True``: the last step's loss summed over every rank and micro-batch, over its weight."""
-        return self.session.global_mean_loss
-
-    @contextmanager
-    def gathered_params(self, write_back: bool = False) -> Generator[None, None, None]:
-        """Hold the module's full parameters inside the block (stage 3); see ``ZeroStrategy.gathered_params``."""
-        with self.session.gathered(write_back=write_back):
-            yield
-
-    def memory_report(self) -> MemoryReport:
-        """Bytes of parameters, gradients and optimizer state that this rank holds now."""
-        return self.session.memory_report()
-
-    def comm_report(self) -> CommStats:
-        """Bytes this rank moved in collectives during the last optimizer step (see docs/design.md)."""
-        return self.session.comm_report()
-
-    # ------------------------------------------------------------------ collectives
-    # Through the communicator, so that a waiting rank stops when another raised: see [Note: the strategy's
-    # collectives] in collectives.py.
+    # ------------------------------------------------------------------ collectives (see front_door.py)
     @override
     def all_reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         return collectives.reduce(self.session.comm, tensor, group, reduce_op)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        collectives.barrier(self.session.comm, self.root_device)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return collectives.broadcast(self.session.comm, obj, src)
-
-    def on_exception(self, exception: BaseException) -> None:
-        """Tell the other ranks that this one raised (``fabric.launch`` cannot: call it from your ``except``, or let
-        the exception end the process, which ends its connections)."""
-        note_exception()
-        collectives.post_failure(self.session.comm, exception)
 
     # ------------------------------------------------------------------ checkpoints (see [Note: Fabric checkpoints])
     @override
@@ -466,13 +359,6 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         # The engine stays (without hooks): memory_report(), fabric.save() and gathered_params() work afterwards.
         self.session.remove_hooks()
         super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, (init_params, description) in PRESETS.items():
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, **init_params)
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):

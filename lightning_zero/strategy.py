@@ -13,11 +13,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
@@ -25,32 +20,26 @@ from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import collectives, loss_weighting
 from lightning_zero.checkpoint import remove_sharded
-from lightning_zero.config import PRESETS, START_METHODS, zero_config
-from lightning_zero.core.comm import CommStats, Communicator
 from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.memory import MemoryReport
 from lightning_zero.core.options import OffloadTarget
+from lightning_zero.front_door import ZeroFrontDoor
 from lightning_zero.launcher import ZeroMultiProcessingLauncher
 from lightning_zero.precision import ZeroPrecision, unwrap_optimizer
-from lightning_zero.process_exit import destroy_groups_at_exit, note_exception
-from lightning_zero.session import ZeroSession, half_built, move_materialized
+from lightning_zero.session import half_built, move_materialized
 
 __all__ = ["ZeroStrategy", "move_materialized"]
 
 log = logging.getLogger(__name__)
 
 
-class ZeroStrategy(ParallelStrategy):
+class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
     """ZeRO data parallelism: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) sharded.
 
     Args:
@@ -101,24 +90,7 @@ class ZeroStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        self.config = zero_config(
-            stage=stage,
-            offload_optimizer=offload_optimizer,
-            offload_params=offload_params,
-            nvme_path=nvme_path,
-            partition=partition,
-            bucket_cap_mb=bucket_cap_mb,
-            overlap_comm=overlap_comm,
-            shard_size=shard_size,
-            wrap_policy=wrap_policy,
-            activation_checkpointing=activation_checkpointing,
-            state_dict_type=state_dict_type,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            weighted_loss=weighted_loss,
-        )
-        if start_method not in START_METHODS:
-            raise ValueError(f"start_method={start_method!r} is not supported; choose one of {list(START_METHODS)}.")
+        self._take_options(locals(), start_method)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -126,47 +98,17 @@ class ZeroStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._start_method = start_method
-        self._num_nodes = 1
-        self.session = ZeroSession(self.config)
 
     @property
     def _engine(self) -> ZeroEngine | None:
         """The engine, once a setup has sharded the module (tests and benchmarks read it)."""
         return self.session.engine_or_none
 
-    # ------------------------------------------------------------------ topology
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
+    # ------------------------------------------------------------------ topology (see front_door.py)
     @property
     def is_distributed(self) -> bool:
         """Lightning adds a DistributedSampler for strategies that say so."""
         return True
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str:
-        return self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
 
     @property
     @override
@@ -192,20 +134,7 @@ class ZeroStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
-        self.set_world_ranks()
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self.process_group_backend, timeout=self.config.timeout, device_id=device_id
-        )
-        self.session.comm = Communicator(ranks_per_node=self.num_processes)
-        destroy_groups_at_exit()  # see [Note: destroying the groups when a rank ends] in process_exit.py
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._start_process_group()
 
     # ------------------------------------------------------------------ setup and training
     @override
@@ -283,17 +212,6 @@ class ZeroStrategy(ParallelStrategy):
             self.session.take_manual_backward(closure_loss, weight, module.trainer.global_step)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    @property
-    def global_loss_weight(self) -> float | None:
-        """``weighted_loss=True``: the global weight (tokens of every rank and micro-batch) of the last step."""
-        return self.session.global_loss_weight
-
-    @property
-    def global_mean_loss(self) -> float | None:
-        """``weighted_loss=True``: the last step's loss summed over every rank and micro-batch, over its global
-        weight: the mean per token, what to log (e.g. ``self.log("train_loss", strategy.global_mean_loss)``)."""
-        return self.session.global_mean_loss
-
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.session.root_gathered():
@@ -315,57 +233,12 @@ class ZeroStrategy(ParallelStrategy):
         with self.session.no_sync():
             yield
 
-    @contextmanager
-    def gathered_params(self, write_back: bool = False) -> Generator[None, None, None]:
-        """Hold the module's full parameters inside the block (stage 3; at stages 1 and 2 they are full anyway).
-
-        A stage-3 module keeps only shards between steps and after ``fit``; use this to export or inspect it.
-        With ``write_back=True`` changes made inside (e.g. ``load_state_dict``) are kept. Every rank must enter it.
-        In 16-bit runs the parameters are the 16-bit ones: the fp32 masters take the 16-bit values written. To load
-        fp32 values exactly, use ``trainer.strategy.load_model_state_dict({"state_dict": state_dict})``.
-
-        Example::
-
-            with trainer.strategy.gathered_params():
-                torch.save(model.state_dict(), "model.pt")
-        """
-        with self.session.gathered(write_back=write_back):  # a no-op while nothing is sharded
-            yield
-
-    def memory_report(self) -> MemoryReport:
-        """Bytes of parameters, gradients and optimizer state that this rank holds now.
-
-        Raises:
-            RuntimeError: before ``Trainer.fit`` has set the strategy up.
-        """
-        return self.session.memory_report()
-
-    def comm_report(self) -> CommStats:
-        """Bytes this rank moved in collectives during the last optimizer step (see docs/design.md)."""
-        return self.session.comm_report()
-
     # ------------------------------------------------------------------ collectives
     # Through the communicator, so that a waiting rank stops when another raised: see [Note: the strategy's
     # collectives] in collectives.py.
     @override
-    def barrier(self, name: str | None = None) -> None:
-        collectives.barrier(self.session.comm, self.root_device)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return collectives.broadcast(self.session.comm, obj, src)
-
-    @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         return collectives.reduce(self.session.comm, tensor, group, reduce_op)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        """This rank raised: the other ranks stop waiting for it within a fraction of a second, with an error naming
-        it and its exception (see [Note: a rank that raises and stays alive]). Its groups stay at exit (see [Note:
-        destroying the groups when a rank ends])."""
-        note_exception()
-        collectives.post_failure(self.session.comm, exception)
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -438,10 +311,3 @@ class ZeroStrategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, (init_params, description) in PRESETS.items():
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, **init_params)

@@ -112,6 +112,7 @@ FABRIC_SHARED = [
         "process_exit.py",
         "fabric_strategy.py",
         "fabric_precision.py",
+        "front_door.py",
     )
 ]
 
