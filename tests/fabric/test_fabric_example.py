@@ -19,6 +19,7 @@ TINY = [
     "--lr=1e-2",
     "--warmup_steps=2",
 ]
+DOC = ROOT / "docs" / "fabric.md"  # its quick start runs the commands of the test
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+)", re.MULTILINE)
 
 
@@ -49,3 +50,11 @@ def test_example_trains_saves_and_resumes_where_it_stopped(tmp_path: Path) -> No
     for step in (4, 5, 6):  # same model, optimizer, schedule and batches: the same losses (printed to 1e-6)
         assert abs(resumed[step] - losses[step]) <= 2e-6, (step, resumed[step], losses[step])
     assert (tmp_path / "second" / "step-000006" / "metadata.json").is_file()
+
+
+def test_the_quick_start_of_docs_fabric_is_the_command_tested_here() -> None:
+    text = DOC.read_text()
+    tiny = " ".join(TINY)
+    assert f"python examples/fabric_gpt.py {tiny} --out_dir=out/fabric_gpt\n" in text
+    resume = "--out_dir=out/fabric_gpt_resumed --resume=out/fabric_gpt/step-000003"
+    assert f"torchrun --nproc-per-node=2 examples/fabric_gpt.py {tiny} {resume}\n" in text
