@@ -164,6 +164,8 @@ class ZeroEngine:
         order). See [Note: changes after setup]."""
         if any(optimizer is other for other in self.optimizers):
             raise ValueError(f"{type(optimizer).__name__} is managed by this ZeroEngine already.")
+        # Before anything changes (local, so every rank raises alike): a refused optimizer leaves the engine as it was.
+        setup.check_optimizers([optimizer], self.model.names, self.options.partition, first=len(self.optimizers))
         self.optimizers.append(optimizer)
         self.model.steps.append(self._step(optimizer))
         self.changes.optimizers.append(optimizer)

@@ -26,10 +26,13 @@ from lightning_zero.core.store.checks import check_offload, offloaded_bytes_per_
 from lightning_zero.core.store.offload import Offload, prefer_fused_kernels
 
 
-def check_optimizers(optimizers: Sequence[Optimizer], names: dict[nn.Parameter, str], partition: str) -> None:
+def check_optimizers(
+    optimizers: Sequence[Optimizer], names: dict[nn.Parameter, str], partition: str, first: int = 0
+) -> None:
     """Each optimizer steps element-wise (flat pieces) or per tensor (whole tensors apart), over the model's own
-    parameters. See [Note: the element-wise probe]."""
-    for index, optimizer in enumerate(optimizers):
+    parameters (``first``: the index of ``optimizers[0]`` among the engine's, for the messages). See [Note: the
+    element-wise probe]."""
+    for index, optimizer in enumerate(optimizers, start=first):
         check = check_elementwise if partition == "flat" else check_per_tensor
         check(optimizer, index)
         for group_index, group in enumerate(optimizer.param_groups):
@@ -37,8 +40,9 @@ def check_optimizers(optimizers: Sequence[Optimizer], names: dict[nn.Parameter, 
                 if param not in names:
                     raise ValueError(
                         f"optimizer {index} param group {group_index} holds a parameter of shape "
-                        f"{tuple(param.shape)} that is not in the model. Create the optimizer in "
-                        "configure_optimizers() from self.parameters()."
+                        f"{tuple(param.shape)} that is not in the model. Create the optimizer from the model's own "
+                        "parameters: `self.parameters()` in configure_optimizers(); with Fabric, `model.parameters()` "
+                        "of the model given to `fabric.setup` or `fabric.setup_module`."
                     )
 
 
