@@ -189,7 +189,6 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
                 "ZeroFabricStrategy shards one model: it set one up already. Put the models in one nn.Module (e.g. "
                 "an nn.ModuleDict) and set that up, with all their optimizers."
             )
-        self._module = module
         precision = self.precision
         self.session.checkpoint_activations(module)
         self.session.build(
@@ -201,6 +200,7 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
             precision.scaler,
             optimizers_later=optimizers_later,
         )
+        self._module = module  # only once sharded: a setup refused before anything changed can be retried
         precision.attach(self.session.engine_or_none)
         module.register_forward_pre_hook(self._before_forward)
 

@@ -357,6 +357,8 @@ def error_runs(rank: int, world_size: int, separate_two: dict[int, dict[str, Ten
     fabric = launched(world_size, zero_strategy(2))
     model, stranger = TinyLM(), TinyLM()
     out["error/foreign_optimizer/together"] = _error_of(lambda: fabric.setup(model, *make_optimizers(stranger, "one")))
+    # Refused before anything was sharded: the same model set up again with the right optimizer works.
+    out["retried_setup"] = _error_of(lambda: fabric.setup(model, *make_optimizers(model, "one")))
     return out
 
 

@@ -159,3 +159,9 @@ def test_a_refused_optimizer_leaves_the_strategy_usable(results: list[dict[str, 
     # After setup_optimizers refused an optimizer of another model, the right ones set up and train exactly as if
     # the refused one had never been offered.
     assert _each_rank(results, f"recovered/stage{stage}") == [0.0] * len(results)
+
+
+def test_a_joint_setup_refused_before_sharding_can_be_retried(results: list[dict[str, Any]]) -> None:
+    """``fabric.setup(model, wrong_optimizer)`` raised before anything was sharded: ``fabric.setup(model,
+    right_optimizer)`` then sets the same model up (not "it set one up already")."""
+    assert _each_rank(results, "retried_setup") == ["no error"] * len(results)
