@@ -11,8 +11,10 @@ in each rank's file, everything else (and the names under which the state held t
 rank 0's ``lightning.pt``. So a Fabric checkpoint resumes a ``Trainer`` (its ``state_dict`` and
 ``optimizer_states``) and a Trainer's resumes Fabric: ``fabric.load(path, state)`` fills the module and the
 optimizers of ``state`` from the shards whatever names they have, restores the other entries of ``state`` that the
-checkpoint holds and returns the rest. With ``state_dict_type="full"`` rank 0 writes one ordinary file whose model
-and optimizer entries are full state dicts.
+checkpoint holds and returns the rest; ``fabric.load(path)`` without a state reads it in full, as it was saved (the
+model's and the optimizers' state dicts under their names). A Trainer resuming a Fabric checkpoint starts its loops
+and schedulers fresh, with a warning (see ``_resume_fabric_checkpoint`` in strategy.py). With
+``state_dict_type="full"`` rank 0 writes one ordinary file whose model and optimizer entries are full state dicts.
 """
 
 from __future__ import annotations
@@ -40,19 +42,19 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import collectives, loss_weighting
-from lightning_zero.checkpoint import remove_sharded
+from lightning_zero.checkpoint import full_checkpoint, remove_sharded
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.options import OffloadTarget
 from lightning_zero.fabric_precision import ZeroFabricPrecision
 from lightning_zero.front_door import ZeroFrontDoor
-from lightning_zero.session import SHARDED_KEY, ZeroSession, move_materialized
+from lightning_zero.session import FABRIC_KEYS, SHARDED_KEY, ZeroSession, move_materialized
 
 __all__ = ["ZeroFabricStrategy"]
 
-# In a sharded checkpoint's extra state: the names under which fabric.save's state held the model and optimizers.
-FABRIC_KEYS = "lightning_zero_fabric"
 # Entries of a checkpoint dict that are the shards or the reader, never handed back to the caller.
 _OWN_KEYS = ("state_dict", "optimizer_states", SHARDED_KEY, FABRIC_KEYS)
+# Written by fabric.save only for a Trainer that resumes the checkpoint: not handed back to Fabric either.
+_VERSION_KEY = "pytorch-lightning_version"
 
 
 class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
@@ -289,8 +291,11 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
         checkpoint = self._convert_stateful_objects_in_state(
             {k: v for k, v in state.items() if k not in module_keys + optimizer_keys}, filter={}
         )
-        checkpoint[FABRIC_KEYS] = {"module": module_keys, "optimizers": optimizer_keys}
-        checkpoint["pytorch-lightning_version"] = lf.__version__  # a Trainer resuming it checks the version
+        # The key of each of the engine's optimizers, in the order of its state in the checkpoint (None: not in
+        # `state`), for fabric.load(path) without a state.
+        by_engine = [next((k for k in optimizer_keys if state[k] is o), None) for o in self.session.engine.optimizers]
+        checkpoint[FABRIC_KEYS] = {"module": module_keys, "optimizers": optimizer_keys, "by_engine": by_engine}
+        checkpoint[_VERSION_KEY] = lf.__version__  # a Trainer resuming it checks the version
         checkpoint["state_dict"] = self.session.module_state_dict(self._module, keep=False)
         checkpoint["optimizer_states"] = [{} for _ in self.session.engine.optimizers]
         self.session.save_sharded(checkpoint, path, self.precision.precision)
@@ -309,10 +314,11 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
             return self._load_full(path, state or {}, strict, weights_only)
         checkpoint = self.session.open_sharded(path)
         if not state:
-            return checkpoint
+            return _as_saved(full_checkpoint(checkpoint[SHARDED_KEY]))
+        own = (*_OWN_KEYS, _VERSION_KEY) if FABRIC_KEYS in checkpoint else _OWN_KEYS
         modules = [key for key, obj in state.items() if isinstance(obj, nn.Module)]
         optimizers = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
-        held = set(checkpoint) - set(_OWN_KEYS) | set(modules) | set(optimizers)
+        held = set(checkpoint) - set(own) | set(modules) | set(optimizers)
         _validate_keys_for_strict_loading(state.keys(), held, strict=strict)
         for key in modules:
             self.session.load_module_state_dict(state[key], checkpoint, strict)
@@ -325,7 +331,7 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
                 obj.load_state_dict(checkpoint.pop(key))
             else:
                 state[key] = checkpoint.pop(key)
-        return {k: v for k, v in checkpoint.items() if k not in _OWN_KEYS}
+        return {k: v for k, v in checkpoint.items() if k not in own}
 
     def _load_full(
         self, path: _PATH, state: Mapping[str, Any], strict: bool, weights_only: bool | None
@@ -359,6 +365,21 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
         # The engine stays (without hooks): memory_report(), fabric.save() and gathered_params() work afterwards.
         self.session.remove_hooks()
         super().teardown()
+
+
+def _as_saved(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A sharded checkpoint read in full (``fabric.load(path)`` without a state): as ``fabric.save`` was given it,
+    the model's and each optimizer's state under their names, in full; a Trainer's in Lightning's form."""
+    keys = checkpoint.pop(FABRIC_KEYS, None)
+    if keys is None:
+        return checkpoint
+    checkpoint.pop(_VERSION_KEY, None)
+    module_state = checkpoint.pop("state_dict")
+    out = dict.fromkeys(keys["module"], module_state)
+    for key, optimizer_state in zip(keys["by_engine"], checkpoint.pop("optimizer_states", []), strict=False):
+        if key is not None:
+            out[key] = optimizer_state
+    return {**out, **checkpoint}
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):

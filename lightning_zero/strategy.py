@@ -21,6 +21,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -32,7 +33,7 @@ from lightning_zero.core.options import OffloadTarget
 from lightning_zero.front_door import ZeroFrontDoor
 from lightning_zero.launcher import ZeroMultiProcessingLauncher
 from lightning_zero.precision import ZeroPrecision, unwrap_optimizer
-from lightning_zero.session import half_built, move_materialized
+from lightning_zero.session import FABRIC_KEYS, half_built, move_materialized
 
 __all__ = ["ZeroStrategy", "move_materialized"]
 
@@ -278,7 +279,10 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         if not os.path.isdir(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        return self.session.open_sharded(checkpoint_path)
+        checkpoint = self.session.open_sharded(checkpoint_path)
+        if FABRIC_KEYS in checkpoint:
+            _resume_fabric_checkpoint(checkpoint, checkpoint_path)
+        return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -311,3 +315,17 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+
+def _resume_fabric_checkpoint(checkpoint: dict[str, Any], path: _PATH) -> None:
+    """A checkpoint that ``fabric.save`` wrote holds the model's and the optimizers' state but none of the Trainer's
+    loops, LR schedulers or callbacks: those start fresh (Lightning would refuse the missing schedulers as a
+    weights-only checkpoint's), with a warning that names the entries left unread."""
+    checkpoint.setdefault("lr_schedulers", [])
+    unread = sorted(k for k in checkpoint if not k.startswith(("lightning_zero", "pytorch-lightning")))
+    unread = [k for k in unread if k not in ("state_dict", "optimizer_states", "lr_schedulers")]
+    rank_zero_warn(
+        f"'{path}' was written by fabric.save: the model and optimizer states are restored, but the Trainer's loops "
+        f"(global_step, epoch), LR schedulers and callbacks start fresh, and its entries {unread} are not restored. "
+        "Set max_steps for the steps still to run, or restore those entries in on_load_checkpoint."
+    )

@@ -127,6 +127,31 @@ def consolidate(
     tmp.replace(out_file)
 
 
+def full_checkpoint(checkpoint: ShardedCheckpoint) -> dict[str, Any]:
+    """What :func:`consolidate` writes, in memory: the checkpoint's Lightning state with ``state_dict`` and
+    ``optimizer_states`` in the module's and the optimizers' ordinary form, every tensor in full."""
+    storages: list[_LazyStorage] = []
+    output = {**checkpoint.lightning_state(), "state_dict": _state_dict(checkpoint, storages)}
+    if _count(checkpoint):
+        output["optimizer_states"] = [_optimizer(checkpoint, index, storages) for index in range(_count(checkpoint))]
+    tensors = {storage.key: _materialize(checkpoint, storage) for storage in storages}
+    checkpoint.release()
+
+    def real(value: Any) -> Any:
+        if isinstance(value, _LazyTensor):
+            return tensors[value.storage.key].view(value.shape)  # tied keys share one tensor
+        if isinstance(value, dict):
+            return type(value)((key, real(item)) for key, item in value.items())
+        if isinstance(value, list):
+            return [real(item) for item in value]
+        return value
+
+    output["state_dict"] = real(output["state_dict"])
+    if "optimizer_states" in output:
+        output["optimizer_states"] = real(output["optimizer_states"])
+    return output
+
+
 def _check_outside(out_file: str | os.PathLike, sources: set[Path]) -> None:
     """Refuse an output inside the checkpoint: its temporary file and rename would land among the shards (and
     replace one of the same name). Both where the name points (symlinks followed) and where the rename happens

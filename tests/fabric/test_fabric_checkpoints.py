@@ -1,0 +1,414 @@
+"""ZeroFabricStrategy's checkpoints: fabric.save/fabric.load (sharded and full) at stages 1-3, resuming at another
+world size and stage, checkpoints shared with the Trainer's ZeroStrategy both ways, and memory_report().
+
+Three spawns: 2 ranks (save/load at every stage, the Trainer round trips, the memory report, and a stage-3 run
+that saves mid-way); 3 ranks (resume that at stage 1; a stage-2 run that saves mid-way); 2 ranks (resume that at
+stage 3). A resumed run sees the same global batches as the run that saved (each rank takes its slice of one batch
+of 6 samples), so its steps equal the uninterrupted run's up to the order of float sums.
+"""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric import Fabric
+from torch import Tensor, nn
+
+from lightning_zero import ZeroFabricStrategy, ZeroStrategy
+from lightning_zero.core.named_state import PARAM_NAMES_KEY
+from lightning_zero.precision import unwrap_optimizer
+from tests.distributed.models import TinyLM, batch, loss_fn
+from tests.helpers import run_on_ranks
+from tests.lightning.models import SaveAt, TwoLayer, make_loader, make_trainer, state_of
+
+STAGES = (1, 2, 3)
+GLOBAL_BATCH = 6  # split evenly over 2 and 3 ranks
+STEPS = 4
+SAVE_AFTER = 2  # optimizer steps done when the resumable runs save
+RTOL = 1e-5
+FP32 = 4
+
+
+# ---------------------------------------------------------------------------------------------------- in the ranks
+def _fabric(world_size: int, stage: int, state_dict_type: str = "sharded") -> Fabric:
+    strategy = ZeroFabricStrategy(
+        stage=stage, state_dict_type=state_dict_type, wrap_policy={nn.Linear} if stage == 3 else None
+    )
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    return fabric
+
+
+def _setup(fabric: Fabric, seed: int) -> tuple[Any, Any, Any]:
+    torch.manual_seed(seed)
+    model = TinyLM()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    return model, optimizer, scheduler
+
+
+def _states(fabric: Fabric, model: Any, optimizer: Any) -> dict[str, Any]:
+    """The model's full state dict, the optimizer's full state and this rank's own optimizer shards."""
+    strategy = fabric.strategy
+    with strategy.gathered_params():
+        module_state = state_of(model.module)
+    raw = optimizer.optimizer
+    return {
+        "model": module_state,
+        "optimizer": strategy.session.engine.full_optimizer_state_dict(raw),
+        "local": raw.state_dict(),
+    }
+
+
+def _step(fabric: Fabric, model: Any, optimizer: Any, scheduler: Any, step: int, rank: int, world_size: int) -> None:
+    """One step on this rank's slice of global batch ``step`` (the same global batches at any world size)."""
+    tokens, targets = batch(seed=100 + step, size=GLOBAL_BATCH)
+    rows = slice(rank * GLOBAL_BATCH // world_size, (rank + 1) * GLOBAL_BATCH // world_size)
+    fabric.backward(loss_fn(model, tokens[rows], targets[rows]))
+    fabric.clip_gradients(model, optimizer, max_norm=0.5)
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+
+
+def _resumable_run(rank: int, world_size: int, stage: int, path: str) -> dict[str, Any]:
+    """STEPS steps, saving (litgpt's way) after SAVE_AFTER; the full parameters after each step."""
+    fabric = _fabric(world_size, stage)
+    model, optimizer, scheduler = _setup(fabric, seed=0)
+    after: dict[int, dict[str, Tensor]] = {}
+    for step in range(STEPS):
+        _step(fabric, model, optimizer, scheduler, step, rank, world_size)
+        if step + 1 == SAVE_AFTER:
+            state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "iter_num": step + 1}
+            fabric.save(path, state)
+        with fabric.strategy.gathered_params():
+            after[step + 1] = state_of(model.module)
+    return after
+
+
+def _resume(rank: int, world_size: int, stage: int, path: str) -> dict[str, Any]:
+    """Load ``path`` into a differently initialised run and go on to STEPS as litgpt's pretrain does."""
+    fabric = _fabric(world_size, stage)
+    model, optimizer, scheduler = _setup(fabric, seed=1)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "iter_num": 0}
+    fabric.load(path, state)
+    after: dict[int, dict[str, Tensor]] = {}
+    for step in range(state["iter_num"], STEPS):
+        _step(fabric, model, optimizer, scheduler, step, rank, world_size)
+        with fabric.strategy.gathered_params():
+            after[step + 1] = state_of(model.module)
+    return {"after": after, "iter_num": state["iter_num"]}
+
+
+def _error_of(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _save_and_load(rank: int, world_size: int, stage: int, state_dict_type: str, path: str) -> dict[str, Any]:
+    fabric = _fabric(world_size, stage, state_dict_type)
+    model, optimizer, scheduler = _setup(fabric, seed=0)
+    for step in range(2):
+        _step(fabric, model, optimizer, scheduler, step, rank, world_size)
+    saved = _states(fabric, model, optimizer)
+    fabric.save(path, {"model": model, "optimizer": optimizer, "iter_num": 2, "scheduler": scheduler, "note": "n"})
+    saved["scheduler"] = scheduler.state_dict()
+
+    fabric = _fabric(world_size, stage, state_dict_type)
+    model, optimizer, scheduler = _setup(fabric, seed=1)
+    state = {"model": model, "optimizer": optimizer, "iter_num": 0, "scheduler": scheduler}
+    remainder = fabric.load(path, state)
+    loaded = _states(fabric, model, optimizer)
+    loaded.update(scheduler=scheduler.state_dict(), iter_num=state["iter_num"], remainder=remainder)
+    loaded["lr"] = optimizer.param_groups[0]["lr"]
+    missing = {"model": model, "optimizer": optimizer, "step_count": 0}
+    return {
+        "saved": saved,
+        "loaded": loaded,
+        "strict_error": _error_of(lambda: fabric.load(path, missing)),
+        "not_strict": fabric.load(path, {"model": model, "step_count": 7}, strict=False),
+        "whole": fabric.load(path),
+    }
+
+
+def _memory(world_size: int) -> dict[str, Any]:
+    fabric = _fabric(world_size, 2)
+    torch.manual_seed(0)
+    model = TinyLM()
+    psi = sum(p.numel() for p in model.parameters())
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    engine = fabric.strategy.session.engine
+    padded = sum(b.layout.padded_numel for b in engine.model.buffers)
+    at_setup = fabric.strategy.memory_report().as_dict()
+    fabric.backward(loss_fn(model, *batch(seed=0)))
+    optimizer.step()
+    pieces = sum(len(g["params"]) for g in optimizer.param_groups)
+    return {"psi": psi, "padded": padded, "setup": at_setup, "step": fabric.strategy.memory_report(), "pieces": pieces}
+
+
+class _Capture(pl.Callback):
+    """At the start of training (after a resume restored the checkpoint): the model and optimizer state."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.states = _trainer_states(trainer, pl_module)
+
+
+def _trainer_states(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, Any]:
+    strategy = trainer.strategy
+    assert isinstance(strategy, ZeroStrategy)
+    with strategy.gathered_params():
+        module_state = state_of(module)
+    optimizer = unwrap_optimizer(trainer.optimizers[0])
+    return {"model": module_state, "optimizer": strategy.session.engine.full_optimizer_state_dict(optimizer)}
+
+
+def _fabric_two_layer(world_size: int, stage: int) -> tuple[Fabric, Any, Any]:
+    fabric = _fabric(world_size, stage)
+    model = TwoLayer()  # seeds itself: the Trainer's model starts alike
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
+    return fabric, model, optimizer
+
+
+def _with_trainer(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """Fabric (stage 2) saves, a Trainer (stage 3) resumes; a Trainer (stage 1) saves, Fabric (stage 3) loads."""
+    fabric, model, optimizer = _fabric_two_layer(world_size, 2)
+    x, y = make_loader("two_layer").dataset.tensors
+    for step in range(3):
+        rows = slice(8 * step + 4 * rank, 8 * step + 4 * rank + 4)
+        fabric.backward(nn.functional.mse_loss(model(x[rows]), y[rows]))
+        optimizer.step()
+        optimizer.zero_grad()
+    with fabric.strategy.gathered_params():
+        fabric_saved = {"model": state_of(model.module)}
+    fabric_saved["optimizer"] = fabric.strategy.session.engine.full_optimizer_state_dict(optimizer.optimizer)
+    fabric.save(f"{directory}/fabric", {"model": model, "optimizer": optimizer, "iter_num": 3})
+
+    capture = _Capture()
+    trainer = make_trainer(world_size, ZeroStrategy(stage=3), max_steps=2, callbacks=[capture])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TwoLayer(), make_loader("two_layer"), ckpt_path=f"{directory}/fabric")
+    trainer_resumed = {**capture.states, "global_step": trainer.global_step}
+    trainer_resumed["warnings"] = [str(w.message) for w in caught if "fabric.save" in str(w.message)]
+
+    trainer = make_trainer(world_size, ZeroStrategy(stage=1), max_steps=3, callbacks=[SaveAt(3, f"{directory}/tr")])
+    module = TwoLayer()
+    trainer.fit(module, make_loader("two_layer"))
+    trainer_saved = _trainer_states(trainer, module)  # the fit ended right after the save
+    fabric, model, optimizer = _fabric_two_layer(world_size, 3)
+    remainder = fabric.load(f"{directory}/tr", {"model": model, "optimizer": optimizer}, strict=False)
+    fabric_loaded = _states(fabric, model, optimizer)
+    fabric_loaded["remainder"] = {k: remainder[k] for k in ("global_step", "epoch") if k in remainder}
+    return {
+        "fabric_saved": fabric_saved,
+        "trainer_resumed": trainer_resumed,
+        "trainer_saved": trainer_saved,
+        "fabric_loaded": fabric_loaded,
+    }
+
+
+def _guarded(call: Callable[[], Any], rank: int) -> Any:
+    """A part that raised is reported (the same on every rank) so that the other parts of the spawn still run."""
+    try:
+        return call()
+    except Exception:
+        return {"error": f"rank {rank}:\n{traceback.format_exc()}"}
+
+
+def _first_two(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for stage in STAGES:
+        for kind in ("sharded", "full"):
+            path = f"{directory}/s{stage}_{kind}" + (".ckpt" if kind == "full" else "")
+            out[(stage, kind)] = _guarded(partial(_save_and_load, rank, world_size, stage, kind, path), rank)
+    out["run_2_stage3"] = _guarded(lambda: _resumable_run(rank, world_size, 3, f"{directory}/run_2_stage3"), rank)
+    out["memory"] = _guarded(lambda: _memory(world_size), rank)
+    out["trainer"] = _guarded(lambda: _with_trainer(rank, world_size, directory), rank)
+    return out
+
+
+def _three(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    return {
+        "resume_stage1": _guarded(lambda: _resume(rank, world_size, 1, f"{directory}/run_2_stage3"), rank),
+        "run_3_stage2": _guarded(lambda: _resumable_run(rank, world_size, 2, f"{directory}/run_3_stage2"), rank),
+    }
+
+
+def _second_two(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    return {"resume_stage3": _guarded(lambda: _resume(rank, world_size, 3, f"{directory}/run_3_stage2"), rank)}
+
+
+# ---------------------------------------------------------------------------------------------------- the tests
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    directory = str(tmp_path_factory.mktemp("fabric_checkpoints"))
+    first = run_on_ranks(_first_two, 2, directory)
+    three = run_on_ranks(_three, 3, directory)
+    second = run_on_ranks(_second_two, 2, directory)
+    return {"first": first, "three": three, "second": second, "dir": directory}
+
+
+def _ok(result: Any) -> Any:
+    if isinstance(result, dict) and "error" in result:
+        pytest.fail(result["error"], pytrace=False)
+    return result
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts and lists as {path: leaf}."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}/{key}").items()}
+    if isinstance(value, list | tuple):
+        return {k: v for i, item in enumerate(value) for k, v in _flat(item, f"{prefix}/{i}").items()}
+    return {prefix: value}
+
+
+def _unequal(expected: Any, actual: Any) -> list[str]:
+    """Paths where two nested states differ (tensors bit for bit, dtype and shape included)."""
+    a, b = _flat(expected), _flat(actual)
+    if a.keys() != b.keys():
+        return [f"keys differ: {sorted(a.keys() ^ b.keys())}"]
+    bad = []
+    for key, value in a.items():
+        other = b[key]
+        if isinstance(value, Tensor):
+            same = isinstance(other, Tensor) and value.dtype == other.dtype and torch.equal(value, other)
+        else:
+            same = value == other
+        if not same:
+            bad.append(key)
+    return bad
+
+
+def _relative(expected: dict[str, Tensor], actual: dict[str, Tensor]) -> dict[str, float]:
+    assert expected.keys() == actual.keys()
+    return {
+        k: ((expected[k].double() - actual[k].double()).abs().max() / expected[k].double().abs().max()).item()
+        for k in expected
+    }
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_load_restores_model_optimizer_and_extra_entries_exactly(runs: dict, stage: int, kind: str) -> None:
+    for rank, per_rank in enumerate(runs["first"]):
+        result = _ok(per_rank[(stage, kind)])
+        saved, loaded = result["saved"], result["loaded"]
+        assert not _unequal(saved["model"], loaded["model"]), (rank, _unequal(saved["model"], loaded["model"]))
+        assert not _unequal(saved["optimizer"], loaded["optimizer"]), rank
+        assert not _unequal(saved["local"], loaded["local"]), rank  # this rank's own shards, bit for bit
+        # litgpt's use: the int updated in the caller's dict, the scheduler's load_state_dict called.
+        assert loaded["iter_num"] == 2
+        assert not _unequal(saved["scheduler"], loaded["scheduler"])
+        assert loaded["lr"] == pytest.approx(1e-2 * 0.7**2)  # the scheduler's last lr went into the optimizer
+        assert loaded["remainder"] == {"note": "n"}  # what the state did not ask for, nothing of the strategy's
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_strict_loading_names_the_missing_key(runs: dict, kind: str) -> None:
+    for per_rank in runs["first"]:
+        result = _ok(per_rank[(2, kind)])
+        assert result["strict_error"].startswith("KeyError"), result["strict_error"]
+        assert "'step_count'" in result["strict_error"]
+        assert "strict=False" in result["strict_error"]
+        # strict=False: the key the checkpoint lacks is left alone; what the state did not ask for comes back (the
+        # optimizer's state too where it is an entry of one file; a sharded checkpoint keeps it in the shards).
+        remainder = dict(result["not_strict"])
+        assert ("optimizer" in remainder) == (kind == "full")
+        remainder.pop("optimizer", None)
+        assert remainder == {"iter_num": 2, "scheduler": result["saved"]["scheduler"], "note": "n"}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_load_without_state_returns_the_checkpoint_as_saved(runs: dict, stage: int) -> None:
+    """Sharded or full, the same dict: the model's and optimizer's states in full under their names."""
+    for per_rank in runs["first"]:
+        sharded, full = _ok(per_rank[(stage, "sharded")]), _ok(per_rank[(stage, "full")])
+        whole = sharded["whole"]
+        assert set(whole) == {"model", "optimizer", "iter_num", "scheduler", "note"}
+        assert not _unequal(sharded["saved"]["model"], whole["model"])
+        # The full file's optimizer entry also names the parameters of each group (for loading at another layout).
+        from_file = {**full["whole"], "optimizer": dict(full["whole"]["optimizer"])}
+        assert from_file["optimizer"].pop(PARAM_NAMES_KEY)
+        assert not _unequal(whole, from_file), _unequal(whole, from_file)
+
+
+def _assert_resumed(resumed: dict[str, Any], uninterrupted: dict[int, dict[str, Tensor]]) -> None:
+    assert resumed["iter_num"] == SAVE_AFTER
+    assert sorted(resumed["after"]) == list(range(SAVE_AFTER + 1, STEPS + 1))
+    for step, params in resumed["after"].items():
+        diffs = _relative(uninterrupted[step], params)
+        assert max(diffs.values()) <= RTOL, (step, diffs)
+
+
+def test_resume_at_3_ranks_stage_1_from_2_ranks_stage_3(runs: dict) -> None:
+    uninterrupted = _ok(runs["first"][0]["run_2_stage3"])
+    for per_rank in runs["three"]:
+        _assert_resumed(_ok(per_rank["resume_stage1"]), uninterrupted)
+
+
+def test_resume_at_2_ranks_stage_3_from_3_ranks_stage_2(runs: dict) -> None:
+    uninterrupted = _ok(runs["three"][0]["run_3_stage2"])
+    for per_rank in runs["second"]:
+        _assert_resumed(_ok(per_rank["resume_stage3"]), uninterrupted)
+
+
+def test_trainer_resumes_a_fabric_checkpoint(runs: dict) -> None:
+    """Model and optimizer state as Fabric saved them; the loops start at step 0, with a warning on rank 0."""
+    for rank, per_rank in enumerate(runs["first"]):
+        result = _ok(per_rank["trainer"])
+        saved, resumed = result["fabric_saved"], result["trainer_resumed"]
+        assert not _unequal(saved["model"], resumed["model"])
+        assert not _unequal(saved["optimizer"], resumed["optimizer"])
+        assert resumed["global_step"] == 2
+        if rank == 0:
+            (message,) = resumed["warnings"]
+            assert "loops" in message
+            assert "'iter_num'" in message
+
+
+def test_fabric_loads_a_trainer_checkpoint(runs: dict) -> None:
+    for per_rank in runs["first"]:
+        result = _ok(per_rank["trainer"])
+        saved, loaded = result["trainer_saved"], result["fabric_loaded"]
+        assert not _unequal(saved["model"], loaded["model"])
+        assert not _unequal(saved["optimizer"], loaded["optimizer"])
+        assert loaded["remainder"] == {"global_step": 3, "epoch": 0}
+
+
+def test_memory_report_after_setup_matches_the_formulas(runs: dict) -> None:
+    """Stage 2, fp32 AdamW: after setup 4Ψ of parameters (gradients and Adam's state come with the first step);
+    after it 4Ψ + 4Ψ/N + 8Ψ/N, exactly up to padding and Adam's 4-byte `step` per parameter piece."""
+    ranks = [_ok(per_rank["memory"]) for per_rank in runs["first"]]
+    n, psi, padded = len(ranks), ranks[0]["psi"], ranks[0]["padded"]
+    assert 0 <= padded - psi < n
+    for r in ranks:
+        assert r["setup"]["params"] == FP32 * padded
+        assert r["setup"]["gradients"] == r["setup"]["optimizer_states"] == 0
+        step = r["step"]
+        assert step.params == FP32 * padded
+        assert step.gradients == FP32 * padded // n
+        assert step.optimizer_states - FP32 * r["pieces"] <= 8 * padded // n
+    assert sum(r["step"].optimizer_states - FP32 * r["pieces"] for r in ranks) == 8 * psi  # Adam's two moments
+
+
+def test_checkpoint_files(runs: dict) -> None:
+    directory = Path(runs["dir"])
+    assert {p.name for p in (directory / "s3_sharded").iterdir()} == {
+        "metadata.json",
+        "lightning.pt",
+        "rank_0.pt",
+        "rank_1.pt",
+    }
+    assert (directory / "s3_full.ckpt").is_file()
