@@ -135,3 +135,17 @@ def test_the_largest_bucket_cap_has_a_byte_count() -> None:
     from lightning_zero.core.options import MAX_BUCKET_CAP_MB
 
     assert EngineOptions(bucket_cap_mb=MAX_BUCKET_CAP_MB).bucket_cap_bytes <= 2**63 - 1
+
+
+def test_the_fabric_strategy_takes_the_trainer_strategy_options() -> None:
+    """Both front doors take the same options, with the same defaults (Fabric's precision plugin is its own)."""
+    from lightning_zero import ZeroFabricStrategy
+
+    trainer = dict(inspect.signature(ZeroStrategy).parameters)
+    fabric = dict(inspect.signature(ZeroFabricStrategy).parameters)
+    trainer.pop("precision_plugin")
+    fabric.pop("precision")
+    assert list(trainer) == list(fabric)
+    assert {k: p.default for k, p in trainer.items()} == {k: p.default for k, p in fabric.items()}
+    described = ZeroFabricStrategy(stage=3, shard_size=2).config.describe()
+    assert described == ZeroStrategy(stage=3, shard_size=2).config.describe()
