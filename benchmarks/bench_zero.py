@@ -62,7 +62,7 @@ the ZeRO-paper formula (fp32 Adam: DDP 16Ψ, stage 1 4Ψ+4Ψ+8Ψ/N, stage 2 4Ψ+
 16Ψ/N; bf16-mixed, section 3.1: DDP 16Ψ, stage 1 4Ψ+12Ψ/N, stage 2 2Ψ+14Ψ/N, stage 3 16Ψ/N, FSDP2's
 fp32 shards 16Ψ/N; Ψ trainable parameters, N ranks) and measured/formula, bytes moved by collectives
 per step (ZeRO: ``engine.last_step_comm.nbytes``; DDP, ``ddp_bf16`` too: 2 x 4Ψ, the all-reduce of the
-fp32 gradients counted as in [Note: counting communication] of ``core/comm/communicator.py``; FSDP2,
+fp32 gradients counted as in [Note: counting communication] of ``core/comm/stats.py``; FSDP2,
 not measured: 3 x 4Ψ, bf16 2Ψ + 2Ψ + 4Ψ), RSS per rank (peak, and after the last step) and, after the
 run, the largest per-tensor relative parameter difference and the relative L2 difference of all
 parameters from the same-precision DDP. See docs/benchmarks.md for results.

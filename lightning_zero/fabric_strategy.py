@@ -3,29 +3,17 @@
 Fabric glue over ``session.py`` (the engine, its setup and checkpoint I/O), ``collectives.py`` and
 ``precision_settings.py``, which both strategies share; the step protocol is the engine's (see [Note: the step
 window] in core/step/optimizer_step.py). Imports no ``lightning.pytorch``.
-
-[Note: Fabric checkpoints]
-``fabric.save(path, {"model": model, "optimizer": optimizer, "iter_num": n, ...})`` with ``state_dict_type=
-"sharded"`` writes the Trainer strategy's sharded directory: the model's shards and every managed optimizer's state
-in each rank's file, everything else (and the names under which the state held the model and the optimizers) in
-rank 0's ``lightning.pt``. So a Fabric checkpoint resumes a ``Trainer`` (its ``state_dict`` and
-``optimizer_states``) and a Trainer's resumes Fabric: ``fabric.load(path, state)`` fills the module and the
-optimizers of ``state`` from the shards whatever names they have, restores the other entries of ``state`` that the
-checkpoint holds and returns the rest; ``fabric.load(path)`` without a state reads it in full, as it was saved (the
-model's and the optimizers' state dicts under their names). A Trainer resuming a Fabric checkpoint starts its loops
-and schedulers fresh, with a warning (see ``_resume_fabric_checkpoint`` in strategy.py). With
-``state_dict_type="full"`` rank 0 writes one ordinary file whose model and optimizer entries are full state dicts.
+Checkpoints: see [Note: Fabric checkpoints] in fabric_checkpoints.py.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
-import lightning.fabric as lf
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
@@ -34,27 +22,21 @@ from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _Sub
 from lightning.fabric.strategies.strategy import (
     _BackwardSyncControl,
     _Sharded,
-    _validate_keys_for_strict_loading,
 )
-from lightning.fabric.utilities.types import _PATH, ReduceOp, _Stateful
+from lightning.fabric.utilities.types import _PATH, ReduceOp
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero import collectives, loss_weighting
-from lightning_zero.checkpoint import full_checkpoint, remove_sharded
+from lightning_zero import collectives, fabric_checkpoints, loss_weighting
+from lightning_zero.checkpoint import remove_sharded
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.options import OffloadTarget
 from lightning_zero.fabric_precision import ZeroFabricPrecision
 from lightning_zero.front_door import ZeroFrontDoor
-from lightning_zero.session import FABRIC_KEYS, SHARDED_KEY, ZeroSession, move_materialized
+from lightning_zero.session import ZeroSession, move_materialized
 
 __all__ = ["ZeroFabricStrategy"]
-
-# Entries of a checkpoint dict that are the shards or the reader, never handed back to the caller.
-_OWN_KEYS = ("state_dict", "optimizer_states", SHARDED_KEY, FABRIC_KEYS)
-# Written by fabric.save only for a Trainer that resumes the checkpoint: not handed back to Fabric either.
-_VERSION_KEY = "pytorch-lightning_version"
 
 
 class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
@@ -286,18 +268,7 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
             return
         if filter:
             raise ValueError("ZeroFabricStrategy: `fabric.save(..., filter=...)` needs state_dict_type='full'.")
-        module_keys = [key for key, obj in state.items() if obj is self._module]
-        optimizer_keys = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
-        checkpoint = self._convert_stateful_objects_in_state(
-            {k: v for k, v in state.items() if k not in module_keys + optimizer_keys}, filter={}
-        )
-        # The key of each of the engine's optimizers, in the order of its state in the checkpoint (None: not in
-        # `state`), for fabric.load(path) without a state.
-        by_engine = [next((k for k in optimizer_keys if state[k] is o), None) for o in self.session.engine.optimizers]
-        checkpoint[FABRIC_KEYS] = {"module": module_keys, "optimizers": optimizer_keys, "by_engine": by_engine}
-        checkpoint[_VERSION_KEY] = lf.__version__  # a Trainer resuming it checks the version
-        checkpoint["state_dict"] = self.session.module_state_dict(self._module, keep=False)
-        checkpoint["optimizer_states"] = [{} for _ in self.session.engine.optimizers]
+        checkpoint = fabric_checkpoints.sharded_checkpoint(self.session, self._module, state)
         self.session.save_sharded(checkpoint, path, self.precision.precision)
 
     @override
@@ -310,49 +281,10 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
     ) -> dict[str, Any]:
         if isinstance(state, nn.Module | Optimizer):
             state = {"model" if isinstance(state, nn.Module) else "optimizer": state}
-        if not os.path.isdir(path):
-            return self._load_full(path, state or {}, strict, weights_only)
-        checkpoint = self.session.open_sharded(path)
-        if not state:
-            return _as_saved(full_checkpoint(checkpoint[SHARDED_KEY]))
-        own = (*_OWN_KEYS, _VERSION_KEY) if FABRIC_KEYS in checkpoint else _OWN_KEYS
-        modules = [key for key, obj in state.items() if isinstance(obj, nn.Module)]
-        optimizers = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
-        held = set(checkpoint) - set(own) | set(modules) | set(optimizers)
-        _validate_keys_for_strict_loading(state.keys(), held, strict=strict)
-        for key in modules:
-            self.session.load_module_state_dict(state[key], checkpoint, strict)
-        if optimizers:
-            self.session.load_optimizer_states(self.session.engine.optimizers, checkpoint, strict)
-        for key, obj in list(state.items()):
-            if key in modules or key in optimizers or key not in checkpoint:
-                continue
-            if isinstance(obj, _Stateful):
-                obj.load_state_dict(checkpoint.pop(key))
-            else:
-                state[key] = checkpoint.pop(key)
-        return {k: v for k, v in checkpoint.items() if k not in own}
-
-    def _load_full(
-        self, path: _PATH, state: Mapping[str, Any], strict: bool, weights_only: bool | None
-    ) -> dict[str, Any]:
+        if os.path.isdir(path):
+            return fabric_checkpoints.load_sharded(self.session, path, state or {}, strict)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        if not state:
-            return checkpoint
-        _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict=strict)
-        for key, obj in list(state.items()):
-            if key not in checkpoint:
-                continue
-            saved = checkpoint.pop(key)
-            if isinstance(obj, nn.Module):
-                self.load_module_state_dict(obj, saved, strict)
-            elif isinstance(obj, Optimizer) and self.session.sharded and self.session.engine.model.manages(obj):
-                self.session.engine.load_full_optimizer_state_dict(obj, saved)
-            elif isinstance(obj, _Stateful):
-                obj.load_state_dict(saved)
-            else:
-                state[key] = saved  # type: ignore[index]
-        return checkpoint
+        return fabric_checkpoints.load_full(self.session, checkpoint, state or {}, strict)
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Rank 0 removes a sharded checkpoint directory (or a link to one)."""
@@ -365,21 +297,6 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
         # The engine stays (without hooks): memory_report(), fabric.save() and gathered_params() work afterwards.
         self.session.remove_hooks()
         super().teardown()
-
-
-def _as_saved(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """A sharded checkpoint read in full (``fabric.load(path)`` without a state): as ``fabric.save`` was given it,
-    the model's and each optimizer's state under their names, in full; a Trainer's in Lightning's form."""
-    keys = checkpoint.pop(FABRIC_KEYS, None)
-    if keys is None:
-        return checkpoint
-    checkpoint.pop(_VERSION_KEY, None)
-    module_state = checkpoint.pop("state_dict")
-    out = dict.fromkeys(keys["module"], module_state)
-    for key, optimizer_state in zip(keys["by_engine"], checkpoint.pop("optimizer_states", []), strict=False):
-        if key is not None:
-            out[key] = optimizer_state
-    return {**out, **checkpoint}
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):

@@ -50,7 +50,7 @@ NOT_SET_UP = "ZeroStrategy has no sharded state yet: call this during or after T
 # Marks a checkpoint dict that open_sharded built from a sharded directory; holds the opened checkpoint.
 SHARDED_KEY = "lightning_zero_sharded"
 # In the extra state of a sharded checkpoint that fabric.save wrote: the names under which its state held the model
-# and the optimizers (see [Note: Fabric checkpoints] in fabric_strategy.py).
+# and the optimizers (see [Note: Fabric checkpoints] in fabric_checkpoints.py).
 FABRIC_KEYS = "lightning_zero_fabric"
 
 

@@ -230,7 +230,7 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any], combined_rss: li
         f"Peak RSS of the timing run (all systems live in each process): "
         f"{' / '.join(mib(b) for b in combined_rss)} MiB per rank.",
         "Comm: ZeRO = engine.last_step_comm.nbytes; DDP = 2 x 4Ψ (its fp32 gradient all-reduce, counted as in "
-        "[Note: counting communication] of lightning_zero/core/comm/communicator.py; ddp_bf16 too); FSDP2 not "
+        "[Note: counting communication] of lightning_zero/core/comm/stats.py; ddp_bf16 too); FSDP2 not "
         "measured: "
         "3 x 4Ψ (fsdp2_bf16: 2Ψ + 2Ψ + 4Ψ, the bf16 all-gathers and the fp32 reduce-scatter).",
     ]

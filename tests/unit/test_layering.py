@@ -113,6 +113,7 @@ FABRIC_SHARED = [
         "fabric_strategy.py",
         "fabric_precision.py",
         "front_door.py",
+        "fabric_checkpoints.py",
     )
 ]
 
