@@ -186,7 +186,8 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
         )
         self._module = module  # only once sharded: a setup refused before anything changed can be retried
         precision.attach(self.session.engine_or_none)
-        module.register_forward_pre_hook(self._before_forward)
+        # First, before the root unit's own hook gathers it: a new iteration frees every unit (see Stage3Scheduler).
+        module.register_forward_pre_hook(self._before_forward, prepend=True)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         """A training forward begins an iteration (collective), as the Trainer's ``training_step`` does; forwards
