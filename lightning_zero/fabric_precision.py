@@ -51,8 +51,11 @@ class ZeroFabricPrecision(ZeroPrecisionSettings, Precision):
         return _DtypeContextManager(self.compute_dtype) if self.precision == "bf16-true" else nullcontext()
 
     @override
-    def pre_backward(self, tensor: Tensor, module: nn.Module | None) -> Tensor:
-        return self.scale_loss(tensor)
+    def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        # Here, not in pre_backward: Fabric's strategy drops what pre_backward returns (its own AMP plugin scales here
+        # too). The engine scales an fp16 loss and, at stage 3, announces the backward (see [Note: stage-3 backward
+        # plan]).
+        self.scale_loss(tensor).backward(*args, **kwargs)
 
     @override
     def post_backward(self, tensor: Tensor, module: nn.Module | None) -> Tensor:

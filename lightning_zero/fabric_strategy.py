@@ -200,7 +200,7 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         # fabric.backward(loss_sum, loss_weight=n): the weight goes to the engine, not to torch's backward.
         weight = kwargs.pop(loss_weighting.WEIGHT_KEY, None)
-        self.session.take_manual_backward(tensor, weight, self._steps)
+        self.session.take_manual_backward(tensor, weight, self._steps, call="fabric.backward")
         super().backward(tensor, module, *args, **kwargs)
 
     @override

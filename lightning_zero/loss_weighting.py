@@ -46,20 +46,29 @@ def take_training_step_output(engine: ZeroEngine, enabled: bool, output: Any, au
     engine.loss_weights.add(weight, float(output["loss"].detach()))
 
 
-def take_manual_backward(engine: ZeroEngine, enabled: bool, loss: Tensor, weight: Any, step: int) -> None:
-    """``manual_backward(loss, loss_weight=weight)``: check it against the option and give it to the engine."""
-    where = f"manual_backward at global step {step}"
+def take_manual_backward(
+    engine: ZeroEngine,
+    enabled: bool,
+    loss: Tensor,
+    weight: Any,
+    step: int,
+    call: str = "self.manual_backward",
+    strategy: str = "ZeroStrategy",
+) -> None:
+    """``manual_backward(loss, loss_weight=weight)`` (or ``call``, e.g. ``fabric.backward``): check it against the
+    option and give it to the engine."""
+    where = f"{call.removeprefix('self.')} at global step {step}"
     if weight is None:
         if enabled:
             raise ValueError(
-                f"{where}: ZeroStrategy(weighted_loss=True) needs self.manual_backward(loss_sum, "
-                "loss_weight=n_tokens), the sum of the per-token losses and how many tokens it summed."
+                f"{where}: {strategy}(weighted_loss=True) needs {call}(loss_sum, loss_weight=n_tokens), the sum of "
+                "the per-token losses and how many tokens it summed."
             )
         return
     if not enabled:
         raise ValueError(
-            f"{where} got loss_weight, but ZeroStrategy(weighted_loss=False) would ignore it. Pass "
-            "ZeroStrategy(weighted_loss=True) to train on the mean over all ranks' tokens."
+            f"{where} got loss_weight, but {strategy}(weighted_loss=False) would ignore it. Pass "
+            f"{strategy}(weighted_loss=True) to train on the mean over all ranks' tokens."
         )
     engine.loss_weights.add(check_loss_weight(weight, where), float(loss.detach()))
 

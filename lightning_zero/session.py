@@ -216,10 +216,14 @@ class ZeroSession:
         if self.sharded:
             loss_weighting.take_training_step_output(self.engine, self.config.weighted_loss, output, automatic, step)
 
-    def take_manual_backward(self, loss: Tensor, weight: Any, step: int) -> None:
-        """``manual_backward(loss, loss_weight=weight)``: check it and give it to the engine."""
+    def take_manual_backward(self, loss: Tensor, weight: Any, step: int, call: str = "self.manual_backward") -> None:
+        """``manual_backward(loss, loss_weight=weight)`` (or ``call``, e.g. ``fabric.backward``): check it and give
+        it to the engine."""
         if self.sharded:
-            loss_weighting.take_manual_backward(self.engine, self.config.weighted_loss, loss, weight, step)
+            strategy = "ZeroFabricStrategy" if call.startswith("fabric.") else "ZeroStrategy"
+            loss_weighting.take_manual_backward(
+                self.engine, self.config.weighted_loss, loss, weight, step, call, strategy
+            )
 
     @property
     def global_loss_weight(self) -> float | None:
