@@ -76,7 +76,7 @@ def _weighted(rank: int, world_size: int, initial: nn.Module) -> float:
     "loss_weight": n}``, stage 3, accumulation and clipping; the masters' difference."""
     from lightning.fabric import Fabric
 
-    from lightning_zero import ZeroFabricStrategy, ZeroStrategy
+    from lightning_zero import ZeroFabricStrategy
     from tests.fabric.parity import micro_batch
 
     options = {**_options(3, False, False), "weighted_loss": True}
@@ -96,18 +96,30 @@ def _weighted(rank: int, world_size: int, initial: nn.Module) -> float:
         optimizer.step()
         optimizer.zero_grad()
     by_fabric = masters(fabric.strategy.session.engine)
+    by_trainer, _ = _trained_by_trainer(rank, world_size, WeightedLM(initial), options, [])
+    return relative(by_trainer, by_fabric)
+
+
+def _trained_by_trainer(
+    rank: int, world_size: int, module: LitTinyLM, options: dict[str, Any], plugins: list[Any]
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """The fp32 masters after the Trainer's ZeroStrategy(**options) fit ``module`` as the Fabric loop trains, and the
+    strategy."""
+    from lightning_zero import ZeroStrategy
+
     strategy = ZeroStrategy(**options)
     trainer = make_trainer(
         world_size,
         strategy,
+        plugins=plugins,
         max_steps=STEPS,
         accumulate_grad_batches=ACCUMULATE,
         gradient_clip_val=CLIP,
         gradient_clip_algorithm="norm",
         use_distributed_sampler=False,
     )
-    trainer.fit(WeightedLM(initial), rank_loader(rank))
-    return relative(masters(strategy.session.engine, prefix="net."), by_fabric)
+    trainer.fit(module, rank_loader(rank))
+    return masters(strategy.session.engine, prefix="net."), strategy
 
 
 def _options(stage: int, offload_optimizer: Any, offload_params: Any) -> dict[str, Any]:
@@ -123,7 +135,7 @@ def _options(stage: int, offload_optimizer: Any, offload_params: Any) -> dict[st
 def _compare(rank: int, world_size: int) -> dict[str, Any]:
     from lightning.fabric import Fabric
 
-    from lightning_zero import ZeroFabricPrecision, ZeroFabricStrategy, ZeroPrecision, ZeroStrategy
+    from lightning_zero import ZeroFabricPrecision, ZeroFabricStrategy, ZeroPrecision
 
     out: dict[str, Any] = {}
     torch.manual_seed(0)
@@ -142,19 +154,9 @@ def _compare(rank: int, world_size: int) -> dict[str, Any]:
         wrapped, optimizer = fabric.setup(model, *make_optimizers(model, "one"))
         fabric_loop(fabric, wrapped, [optimizer], rank)
         by_fabric = masters(fabric.strategy.session.engine)
-        strategy = ZeroStrategy(**options)
-        trainer = make_trainer(
-            world_size,
-            strategy,
-            plugins=[ZeroPrecision(precision)],
-            max_steps=STEPS,
-            accumulate_grad_batches=ACCUMULATE,
-            gradient_clip_val=CLIP,
-            gradient_clip_algorithm="norm",
-            use_distributed_sampler=False,
+        by_trainer, strategy = _trained_by_trainer(
+            rank, world_size, FloatLossLM(initial), options, [ZeroPrecision(precision)]
         )
-        trainer.fit(FloatLossLM(initial), rank_loader(rank))
-        by_trainer = masters(strategy.session.engine, prefix="net.")
         out[key] = {
             "difference": relative(by_trainer, by_fabric),
             "moved": relative({k: v.float() for k, v in initial.state_dict().items()}, by_fabric),
