@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from lightning_zero import collectives, fabric_checkpoints, loss_weighting
 from lightning_zero.checkpoint import remove_sharded
-from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.engine import ZeroEngine, release_previous_engine
 from lightning_zero.core.options import OffloadTarget
 from lightning_zero.fabric_precision import ZeroFabricPrecision
 from lightning_zero.front_door import ZeroFrontDoor
@@ -140,6 +140,7 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
     def module_to_device(self, module: nn.Module) -> None:
         # Modules created under init_module() at stage 3 are on the meta device: the engine creates them. Everything
         # else moves now.
+        release_previous_engine(module)  # a module another strategy trained: its parameters in full again
         move_materialized(module, self.root_device)
 
     @override

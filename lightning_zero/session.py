@@ -36,7 +36,7 @@ from lightning_zero.checkpoint.state_view import saving_changes, saving_state_di
 from lightning_zero.config import ZeroConfig
 from lightning_zero.core import setup
 from lightning_zero.core.comm import CommStats, Communicator
-from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.engine import ZeroEngine, release_previous_engine
 from lightning_zero.core.layout.resting import RestingParameter, engine_access
 from lightning_zero.core.memory import MemoryReport
 from lightning_zero.core.mixed_precision import DynamicLossScaler, PrecisionPolicy
@@ -139,6 +139,7 @@ class ZeroSession:
             return True
         self._engine.release()
         self._engine = UNSHARDED
+        release_previous_engine(module)  # a module another strategy's engine drives (a new Trainer's second fit)
         return False
 
     def build(

@@ -34,6 +34,7 @@ posts a notice (see [Note: a rank that raises and stays alive]) that ends the ot
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -65,6 +66,18 @@ from lightning_zero.core.step.optimizer_step import (
 )
 from lightning_zero.core.step.shard_bucket import ShardGradBucket
 from lightning_zero.core.store.swap import IOCounts
+
+# The engine that drives each module now: one at a time (see release_previous_engine).
+_DRIVING: weakref.WeakKeyDictionary[nn.Module, ZeroEngine] = weakref.WeakKeyDictionary()
+
+
+def release_previous_engine(module: nn.Module) -> None:
+    """Give ``module`` back from the engine that drives it, if any (collective: its parameters are gathered in full),
+    so that a new engine, or a new strategy's move to its device, finds ordinary parameters. A second ``fit`` of the
+    same module with a new Trainer, or a Fabric set up with a module another strategy trained, relies on it."""
+    previous = _DRIVING.get(module)
+    if previous is not None:
+        previous.release()
 
 
 class ZeroEngine:
@@ -98,7 +111,9 @@ class ZeroEngine:
         agree_also: Sequence[tuple[str, object]] = (),
         optimizers_later: bool = False,
     ) -> None:
+        release_previous_engine(module)  # one engine drives a module at a time
         self.module, self.options, self.comm = module, options, comm
+        self._released = False
         self.optimizers = list(optimizers)
         self.policy = precision or PrecisionPolicy()
         self.device = device or next(module.parameters(), torch.empty(0)).device
@@ -149,6 +164,7 @@ class ZeroEngine:
         self.changes = ChangeWatch(self.optimizers, comm, self.device)  # see [Note: changes after setup]
         self.changes.remember(self.model.managed_ids())
         self.topology.take_stats()  # setup's broadcasts and agreements are not the first step's communication
+        _DRIVING[module] = self
 
     def _step(self, optimizer: Optimizer) -> OptimizerStep:
         return OptimizerStep(
@@ -265,7 +281,11 @@ class ZeroEngine:
 
     def release(self) -> None:
         """Give every parameter a full tensor of its own in its best precision (the fp32 masters where there are
-        some) and stop driving the module and its optimizers (collective). The optimizer state keeps its shards."""
+        some) and stop driving the module and its optimizers (collective; once). The optimizer state keeps its
+        shards."""
+        if self._released:
+            return
+        self._released = True
         for step in self.model.steps:
             step.uninstall()
         uninstall_module_zero_grad(self.module)
@@ -273,6 +293,8 @@ class ZeroEngine:
             handle.remove()
         self.backward.remove_hooks()
         self.model.release()
+        if _DRIVING.get(self.module) is self:
+            del _DRIVING[self.module]
 
     # ------------------------------------------------------------------ reports
     def memory_report(self) -> MemoryReport:

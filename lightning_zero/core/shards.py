@@ -115,6 +115,7 @@ class ShardedModel:
         for group in self.trained:
             group.store.close()  # type: ignore[union-attr]
         self.offload.close()
+        self.scheduler.remove_hooks()  # the units' forward hooks go with the engine
         self.scheduler = NoScheduler()
 
     def managed_ids(self) -> set[int]:
