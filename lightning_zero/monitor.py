@@ -14,7 +14,10 @@ from lightning_zero.strategy import ZeroStrategy
 class ZeroMonitor(Callback):
     """Log ``zero/params_bytes``, ``zero/gradients_bytes``, ``zero/optimizer_states_bytes``,
     ``zero/offloaded_bytes``, ``zero/comm_bytes``, ``zero/intra_node_bytes`` and ``zero/inter_node_bytes``; with
-    ``shard_size`` also ``zero/shard_group_bytes`` and ``zero/replicate_group_bytes``.
+    ``shard_size`` also ``zero/shard_group_bytes`` and ``zero/replicate_group_bytes``. The step's peak:
+    ``zero/peak_bytes`` and by kind ``zero/peak_model_states_bytes``, ``zero/peak_gathered_bytes``,
+    ``zero/peak_buckets_bytes``, ``zero/peak_temporaries_bytes`` and, on CUDA, ``zero/peak_activations_bytes``
+    (see :class:`~lightning_zero.MemoryReport`'s ``step_peak``).
 
     The byte counts are this rank's model states measured from the tensors it holds after the step, and the
     bytes it moved in collectives during that step (see ``ZeroStrategy.comm_report()``), in total, by where they
@@ -48,6 +51,10 @@ class ZeroMonitor(Callback):
             "zero/intra_node_bytes": float(comm.intra_node_bytes),
             "zero/inter_node_bytes": float(comm.inter_node_bytes),
         }
+        if report.step_peak is not None:
+            metrics["zero/peak_bytes"] = float(report.step_peak.total)
+            for kind, nbytes in report.step_peak.by_kind.items():
+                metrics[f"zero/peak_{kind}_bytes"] = float(nbytes)
         if strategy.config.engine.shard_size is not None:
             shard_group = comm.by_group.get("shard", 0) + comm.by_group.get("gather", 0)
             metrics["zero/shard_group_bytes"] = float(shard_group)

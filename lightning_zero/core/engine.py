@@ -34,6 +34,7 @@ posts a notice (see [Note: a rank that raises and stays alive]) that ends the ot
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -163,6 +164,7 @@ class ZeroEngine:
         install_module_zero_grad(module, self.model.steps)
         self.changes = ChangeWatch(self.optimizers, comm, self.device)  # see [Note: changes after setup]
         self.changes.remember(self.model.managed_ids())
+        self.model.attach_ledger()
         self.topology.take_stats()  # setup's broadcasts and agreements are not the first step's communication
         _DRIVING[module] = self
 
@@ -189,6 +191,7 @@ class ZeroEngine:
         install_module_zero_grad(self.module, self.model.steps)
         self._take_changes()
         self.changes.remember(self.model.managed_ids())
+        self.model.attach_ledger()
 
     # ------------------------------------------------------------------ each iteration
     def begin_iteration(self) -> None:
@@ -202,6 +205,10 @@ class ZeroEngine:
         if self.changes.changed(self.model.managed_ids()):
             self._take_changes()
             self.changes.remember(self.model.managed_ids())
+            self.model.attach_ledger()
+        self.model.ledger.reset()  # the step's peak starts here (see memory_report)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def _take_changes(self) -> None:
         """Shard the parameters that became trainable in an optimizer since setup (collective)."""
@@ -298,8 +305,12 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ reports
     def memory_report(self) -> MemoryReport:
-        """Bytes of parameters, gradients and optimizer state this rank holds now (see :class:`ShardedModel`)."""
-        return self.model.memory_report()
+        """Bytes of parameters, gradients and optimizer state this rank holds now (see :class:`ShardedModel`), and
+        the peak since the last :meth:`begin_iteration` by kind (``step_peak``; on CUDA with the allocator's peak,
+        whose statistics :meth:`begin_iteration` resets)."""
+        report = self.model.memory_report()
+        allocated = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        return dataclasses.replace(report, step_peak=self.model.step_peak(report, allocated))
 
     @property
     def io_counts(self) -> IOCounts:

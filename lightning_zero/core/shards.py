@@ -22,7 +22,8 @@ from torch.optim import Optimizer
 from lightning_zero.core.comm.topology import Topology
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
 from lightning_zero.core.layout.resting import RestingParameter, engine_access
-from lightning_zero.core.memory import MemoryReport, tensor_nbytes
+from lightning_zero.core.memory import MemoryReport, StepPeak, tensor_nbytes
+from lightning_zero.core.peak import PeakLedger
 from lightning_zero.core.stage3.scheduler import NoScheduler, Stage3Scheduler
 from lightning_zero.core.stage3.units import GatherUnit
 from lightning_zero.core.step.buckets import GradBucket
@@ -80,6 +81,7 @@ class ShardedModel:
         self.groups: list[BufferGroup] = []
         self.steps: list[OptimizerStep] = []
         self.scheduler: Stage3Scheduler | NoScheduler = NoScheduler()
+        self.ledger = PeakLedger()  # the transient buffers of a step (see [Note: step peak ledger])
 
     # ------------------------------------------------------------------ the records
     @property
@@ -152,6 +154,18 @@ class ShardedModel:
                     if entry.store.paged:
                         by_store.setdefault(id(entry.store), (entry.store, []))[1].append((entry.param, entry.slot))
         return list(by_store.values())
+
+    def attach_ledger(self) -> None:
+        """Let every unit, bucket and optimizer step report its transient buffers to :attr:`ledger` (again after
+        changes added some)."""
+        for owner in [*self.units, *self.buckets, *self.steps]:
+            owner.ledger = self.ledger
+
+    def step_peak(self, report: MemoryReport, allocated: int | None) -> StepPeak:
+        """The peak since :meth:`PeakLedger.reset` by kind; ``report``'s model states less the transient buffers
+        held now (which it counts under parameters and gradients)."""
+        held = sum(self.ledger.current.values())
+        return StepPeak.of(report.total - held, self.ledger.peak, allocated)
 
     # ------------------------------------------------------------------ reading the state
     @contextmanager

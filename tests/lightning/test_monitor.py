@@ -36,6 +36,7 @@ METRICS = (
     "zero/inter_node_bytes",
 )
 HYBRID_METRICS = ("zero/shard_group_bytes", "zero/replicate_group_bytes")
+PEAK_KINDS = ("model_states", "gathered", "buckets", "temporaries")  # activations: CUDA only
 # "2hybrid": every rank its own shard group (shard_size=1), so the gradients travel in the replicate group alone.
 RUNS = {
     1: {"stage": 1},
@@ -130,6 +131,21 @@ def test_monitor_logs_the_strategy_report_every_step(runs: tuple[Path, list[dict
     # Model states do not change size between steps; communication is the same every step.
     for row in rows[1:]:
         assert {name: float(row[name]) for name in names} == expected
+
+
+@pytest.mark.parametrize("stage", list(RUNS))
+def test_monitor_logs_the_step_peak_by_kind(runs: tuple[Path, list[dict[str, Any]]], stage: int) -> None:
+    """The last step's row holds the peak that memory_report() gives after fit (nothing allocates after it)."""
+    log_dir, per_rank = runs
+    row, report = _csv_rows(log_dir, stage)[-1], per_rank[0][stage]["report"]
+    logged = {kind: float(row[f"zero/peak_{kind}_bytes"]) for kind in PEAK_KINDS}
+    assert logged == {kind: report[f"peak_{kind}"] for kind in PEAK_KINDS}
+    assert float(row["zero/peak_bytes"]) == report["peak"] == sum(logged.values())
+    assert "zero/peak_activations_bytes" not in row  # measured by the CUDA allocator only
+    assert logged["model_states"] == report["total"]
+    # Stage 1 in fp32 reduces in its persistent full gradient; stage 2 stages each bucket's full gradient.
+    assert (logged["buckets"] > 0) == (stage != 1), logged
+    assert logged["gathered"] == logged["temporaries"] == 0  # no stage 3, no master copies
 
 
 @pytest.mark.parametrize("stage", [1, 2])

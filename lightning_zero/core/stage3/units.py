@@ -40,6 +40,7 @@ from lightning_zero.core.comm import Communicator, Work
 from lightning_zero.core.layout.flat_buffer import ShardedBuffer, ShardedState
 from lightning_zero.core.layout.resting import engine_access
 from lightning_zero.core.options import WrapPolicy
+from lightning_zero.core.peak import DETACHED, PeakLedger
 
 
 def select_units(root: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
@@ -200,6 +201,8 @@ def initialise(root: nn.Module, params: list[nn.Parameter]) -> None:
 class GatherUnit:
     """The flat buffers of one unit and their gather and free. See [Note: stage-3 life of a unit]."""
 
+    ledger: PeakLedger = DETACHED  # counts the gathered buffers (see [Note: step peak ledger])
+
     def __init__(self, module: nn.Module, name: str, buffers: list[ShardedBuffer], is_root: bool) -> None:
         self.module = module
         self.name = name  # the module's qualified name, for errors ("<root>" for the root)
@@ -235,6 +238,7 @@ class GatherUnit:
         if not self.gathered_or_pending:
             with engine_access():
                 self._pending = [buffer.start_unshard(comm) for buffer in self.buffers]
+            self._count()
 
     def read_ahead(self) -> None:
         """Start reading shards that rest on disk (``offload_params="nvme"``): the unit is gathered next."""
@@ -261,6 +265,12 @@ class GatherUnit:
         self.wait()  # never free a buffer that a gather still writes into
         for buffer in self.buffers:
             buffer.reshard()
+        self._count()
+
+    def _count(self) -> None:
+        """Tell the ledger the bytes of full buffers this unit holds now."""
+        for buffer in self.buffers:
+            self.ledger.hold("gathered", (id(buffer), "gathered"), buffer.data.untyped_storage().nbytes())
 
 
 class UnitHook:

@@ -43,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core.comm import Communicator, Work
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
+from lightning_zero.core.peak import DETACHED, PeakLedger
 from lightning_zero.core.step.reduction import GradientReduction
 
 
@@ -59,6 +60,7 @@ class GradBucket(ABC):
 
     buffer: FlatParamBuffer
     shard_grad: Tensor  # 1D, layout.shard_numel: the averaged gradient of this rank's shard
+    ledger: PeakLedger = DETACHED  # counts the transient buffers (see [Note: step peak ledger])
 
     def __init__(
         self, buffer: FlatParamBuffer, reduction: GradientReduction, reduce_dtype: torch.dtype | None = None

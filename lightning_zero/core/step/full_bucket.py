@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
+from lightning_zero.core.peak import Tracked
 from lightning_zero.core.step.buckets import GradBucket
 from lightning_zero.core.step.reduction import GradientReduction
 
@@ -23,15 +24,20 @@ class FullGradBucket(GradBucket):
     """A bucket whose full local gradient persists between backward passes."""
 
     full_grad: Tensor  # 1D, layout.padded_numel: local sums; after a reduction, own segment = average
+    # Transient (see [Note: step peak ledger]): the bucket in a wider reduce_dtype and the reduction's output while
+    # it runs; live reduced gradients kept across an accumulation.
+    _staging: Tracked[Tensor | None] = Tracked("buckets")
+    _output: Tracked[Tensor | None] = Tracked("buckets")
+    _carry: Tracked[Tensor | None] = Tracked("buckets")
 
     def __init__(
         self, buffer: FlatParamBuffer, reduction: GradientReduction, reduce_dtype: torch.dtype | None = None
     ) -> None:
         super().__init__(buffer, reduction, reduce_dtype)
         self.full_grad = torch.zeros_like(buffer.data)
-        self._staging: Tensor | None = None  # the bucket in reduce_dtype while a reduction in a wider dtype runs
-        self._carry: Tensor | None = None  # live reduced gradients kept across an accumulation (own segment)
-        self._output: Tensor | None = None
+        self._staging = None  # the bucket in reduce_dtype while a reduction in a wider dtype runs
+        self._carry = None  # live reduced gradients kept across an accumulation (own segment)
+        self._output = None
         lo, hi = buffer.bounds
         self.shard_grad = self.full_grad[lo:hi]
         self._reduced = False  # own segment holds an averaged result, the rest was sent away

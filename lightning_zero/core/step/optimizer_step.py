@@ -29,6 +29,7 @@ from lightning_zero.core.comm import wait_all
 from lightning_zero.core.comm.topology import Topology
 from lightning_zero.core.layout.resting import engine_access
 from lightning_zero.core.mixed_precision import DynamicLossScaler
+from lightning_zero.core.peak import DETACHED, PeakLedger, Tracked
 from lightning_zero.core.step.buckets import GradBucket
 from lightning_zero.core.step.entry import StepEntry
 from lightning_zero.core.step.loss_weight import LossWeights
@@ -65,6 +66,18 @@ class LossScaling:
         return self.weights is not None and self.weights.skips
 
 
+def _wide_nbytes(step: OptimizerStep, grads: Sequence[Tensor | None]) -> int:
+    """Bytes of step gradients that are copies (wide, of a master), not the held gradients themselves."""
+    if not grads:
+        return 0
+    storages = {  # by address: a view's untyped_storage() is a new object each time, its id may be reused
+        g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+        for g, e in zip(grads, step.entries, strict=False)
+        if g is not None and g.untyped_storage().data_ptr() != e.bucket.shard_grad.untyped_storage().data_ptr()
+    }
+    return sum(storages.values())
+
+
 class OptimizerStep:
     """The step of one optimizer over sharded parameters. See [Note: the step window].
 
@@ -78,6 +91,9 @@ class OptimizerStep:
         on_step_end: called after every step (the engine takes the step's communication counts).
         on_prepare: called before the step gradients are made (the engine agrees on the loss weight there).
     """
+
+    ledger: PeakLedger = DETACHED  # counts the step gradients (see [Note: step peak ledger])
+    _step_grads: Tracked[list[Tensor | None]] = Tracked("temporaries", _wide_nbytes)  # per entry (paged: None)
 
     def __init__(
         self,
@@ -100,7 +116,7 @@ class OptimizerStep:
         self._finite = True
         self._scale: float | None = None
         self._clipped = False
-        self._step_grads: list[Tensor | None] = []  # per entry; None for paged stores (see self._paged)
+        self._step_grads = []  # per entry; None for paged stores (see self._paged)
         self._paged = PagedStepGrads([], None)
         self._handles: list[RemovableHandle] = []
         self._paging = False
@@ -368,12 +384,7 @@ class OptimizerStep:
     @property
     def step_grad_nbytes(self) -> int:
         """Bytes of step gradients held now (wide copies of the masters' gradients exist only during a step)."""
-        storages = {
-            id(g.untyped_storage()): g.untyped_storage().nbytes()
-            for g, e in zip(self._step_grads, self.entries, strict=False)
-            if g is not None and g.untyped_storage().data_ptr() != e.bucket.shard_grad.untyped_storage().data_ptr()
-        }
-        return sum(storages.values())
+        return _wide_nbytes(self, self._step_grads)
 
 
 class ModuleGradShards:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer, ShardStorage
+from lightning_zero.core.peak import Tracked
 from lightning_zero.core.step.buckets import GradBucket
 from lightning_zero.core.step.reduction import GradientReduction
 
@@ -30,8 +31,10 @@ class ShardGradBucket(GradBucket):
     See [Note: paged step gradients].
     """
 
-    staging: Tensor | None  # 1D, layout.padded_numel while the bucket is being filled or reduced
-    _output: Tensor | None  # 1D, shard_numel while the reduction is in flight
+    # 1D, layout.padded_numel while the bucket is being filled or reduced
+    staging: Tracked[Tensor | None] = Tracked("buckets")
+    # 1D, shard_numel while the reduction is in flight (the held shard itself when it reduces in place: not counted)
+    _output: Tracked[Tensor | None] = Tracked("buckets", lambda bucket, t: 0 if t is bucket._shard_grad else _nbytes(t))
 
     def __init__(
         self,
@@ -191,3 +194,7 @@ class ShardGradBucket(GradBucket):
         if self.resting is None:
             return 0
         return sum(storage.nbytes for storage in self.resting)
+
+
+def _nbytes(tensor: Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()

@@ -1,0 +1,205 @@
+"""memory_report().step_peak on 2 gloo ranks, stages 1 to 3 in fp32 and bf16-mixed, one spawn for every case.
+
+The step's peak by kind is checked two ways. Against an independent probe: the test wraps the methods that
+gather and free units, fill, launch and finish buckets and make and drop step gradients, and after each call
+counts the transient bytes from the tensors themselves (units' storage, ``bucket.nbytes`` less the persistent
+gradient, ``step.step_grad_nbytes``); the ledger's per-kind snapshot at its peak must equal the probe's to the
+byte (both ways: a missed or a double count fails). Against the formulas: the peak lies between the model states
+and the model states plus the root unit and three blocks gathered at once (in backward: the block whose backward
+just ended, freed when its inputs' gradients are complete, i.e. as the next block's backward begins; that block;
+and the one prefetched after it), every bucket's staging buffer and reduce-scatter output in ``reduce_dtype``, and
+the fp32 step gradients of the masters (4 bytes an owned element). Activations are not counted on the CPU (the
+allocator's peak is CUDA's), so the bound has no term for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_zero.core.comm import Communicator
+from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.mixed_precision import PrecisionPolicy
+from lightning_zero.core.options import EngineOptions
+from lightning_zero.core.stage3.units import GatherUnit
+from lightning_zero.core.step.buckets import GradBucket
+from lightning_zero.core.step.full_bucket import FullGradBucket
+from lightning_zero.core.step.optimizer_step import OptimizerStep
+from tests.helpers import run_on_ranks
+
+WORLD_SIZE = 2
+WIDTH = 24
+DEPTH = 4
+STEPS = 2
+CASES = [(stage, precision) for stage in (1, 2, 3) for precision in ("32-true", "bf16-mixed")]
+KINDS = ("gathered", "buckets", "temporaries")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return torch.tanh(self.linear(hidden))
+
+
+class Net(nn.Module):
+    """Stage 3: four Block units and the root (``inp`` and ``out``); uneven sizes, so buffers are padded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(11, WIDTH)
+        self.blocks = nn.ModuleList([Block() for _ in range(DEPTH)])
+        self.out = nn.Linear(WIDTH, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = self.inp(x)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.out(hidden)
+
+
+class Probe:
+    """The transient bytes counted from the tensors after each wrapped call; the snapshot at their highest sum."""
+
+    def __init__(self, engine: ZeroEngine) -> None:
+        self.engine = engine
+        self.reset()
+
+    def reset(self) -> None:
+        self.peak, self.peak_sum = dict.fromkeys(KINDS, 0), 0
+
+    def __call__(self) -> None:
+        model = self.engine.model
+        gathered = sum(b.data.untyped_storage().nbytes() for unit in model.units for b in unit.buffers)
+        buckets = sum(bucket.nbytes - _persistent(bucket) for bucket in model.buckets)
+        temporaries = sum(step.step_grad_nbytes for step in model.steps)
+        now = {"gathered": gathered, "buckets": buckets, "temporaries": temporaries}
+        if sum(now.values()) > self.peak_sum:
+            self.peak, self.peak_sum = now, sum(now.values())
+
+
+def _persistent(bucket: GradBucket) -> int:
+    kept = bucket.full_grad if isinstance(bucket, FullGradBucket) else bucket._shard_grad  # type: ignore[attr-defined]
+    return 0 if kept is None else kept.numel() * kept.element_size()
+
+
+def _wrap(cls: type, name: str, probe: list[Probe]) -> None:
+    method = getattr(cls, name)
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        if probe:
+            probe[0]()
+        return result
+
+    setattr(cls, name, wrapped)
+
+
+def _unit_bytes(unit: GatherUnit) -> int:
+    return sum(b.layout.padded_numel * b.data.element_size() for b in unit.buffers)
+
+
+def _bounds(engine: ZeroEngine, stage: int, mixed: bool) -> dict[str, int]:
+    """The formulas' bound of each transient kind (see the module docstring)."""
+    model = engine.model
+    reduce_size = 4  # fp32 gradients, or bf16 ones reduced in fp32
+    buckets = 0
+    for bucket in model.buckets:
+        layout = bucket.buffer.layout
+        if stage > 1 or mixed:  # stage 1 in fp32 reduces in place in its full gradient buffer
+            buckets += reduce_size * (layout.padded_numel + layout.padded_numel // WORLD_SIZE)
+    gathered = 0
+    if stage == 3:
+        blocks = [_unit_bytes(unit) for unit in model.units if not unit.is_root]
+        gathered = _unit_bytes(model.scheduler.root) + 3 * max(blocks)  # type: ignore[attr-defined]
+    temporaries = 4 * sum(group.buffer.shard_numel for group in model.trained) if mixed else 0
+    return {"gathered": gathered, "buckets": buckets, "temporaries": temporaries}
+
+
+def _measure(rank: int, stage: int, precision: str, probe: list[Probe]) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mixed = precision == "bf16-mixed"
+    policy = PrecisionPolicy(torch.bfloat16, torch.float32, torch.float32) if mixed else None
+    options = EngineOptions(stage=stage, bucket_cap_mb=0.002)  # a bucket per Linear or two
+    engine = ZeroEngine(model, [optimizer], options, Communicator(), precision=policy)
+    probe[:] = [Probe(engine)]
+    for step in range(STEPS):
+        engine.begin_iteration()
+        probe[0].reset()
+        probe[0]()
+        inputs = torch.randn(6, 11, generator=torch.Generator().manual_seed(10 * rank + step))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+            loss = model(inputs).float().square().mean()
+        engine.scale_loss(loss).backward()
+        engine.finish_backward()
+        engine.step_of(optimizer).prepare()
+        during_step = dict(engine.model.ledger.current)
+        optimizer.step()
+        optimizer.zero_grad()
+    report = engine.memory_report()
+    out = {
+        "peak": report.step_peak,
+        "as_dict": report.as_dict(),
+        "total": report.total,
+        "probe": dict(probe[0].peak),
+        "during_step": during_step,
+        "bounds": _bounds(engine, stage, mixed),
+        "root": _unit_bytes(engine.model.scheduler.root) if stage == 3 else 0,  # type: ignore[attr-defined]
+        "block": max((_unit_bytes(u) for u in engine.model.units if not u.is_root), default=0),
+    }
+    probe.clear()
+    engine.release()
+    return out
+
+
+def _all(rank: int, world_size: int) -> dict[tuple[int, str], dict[str, Any]]:
+    probe: list[Probe] = []
+    for cls, names in ((GatherUnit, ("start_unshard", "reshard")), (OptimizerStep, ("prepare", "_release"))):
+        for name in names:
+            _wrap(cls, name, probe)
+    for name in ("add_grad", "launch", "wait", "finish", "reset"):
+        _wrap(GradBucket, name, probe)
+    return {case: _measure(rank, *case, probe) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[tuple[int, str], dict[str, Any]]]:
+    return run_on_ranks(_all, WORLD_SIZE)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"stage{s}-{p}" for s, p in CASES])
+def test_step_peak_by_kind_equals_the_probe_and_lies_within_the_formulas(
+    ranks: list[dict[tuple[int, str], dict[str, Any]]], case: tuple[int, str]
+) -> None:
+    stage, precision = case
+    for rank, results in enumerate(ranks):
+        got = results[case]
+        peak = got["peak"]
+        transient = {kind: getattr(peak, kind) for kind in KINDS}
+        assert transient == got["probe"], f"rank {rank}: ledger {transient} != probe {got['probe']}"
+        assert peak.model_states == got["total"], f"rank {rank}: {peak}"  # nothing transient is held after the step
+        assert peak.activations is None  # the CPU has no allocator peak
+        assert peak.allocated is None
+        bounds = got["bounds"]
+        assert all(transient[kind] <= bounds[kind] for kind in KINDS), f"rank {rank}: {transient} > {bounds}"
+        assert got["total"] <= peak.total <= got["total"] + sum(bounds.values()), f"rank {rank}: {peak}"
+        # Stage 1 in fp32 reduces in place in its persistent full gradient: the only case with no staging.
+        assert (transient["buckets"] > 0) != (stage == 1 and precision == "32-true"), f"rank {rank}: {peak}"
+        if stage == 3:  # the root and at least one block at once
+            assert transient["gathered"] >= got["root"] + got["block"], f"rank {rank}: {peak}"
+        else:
+            assert transient["gathered"] == 0
+        # Between prepare() and the step only the step gradients are held: fp32 copies for the masters, 4 bytes an
+        # owned element (fp32 steps on the held gradients themselves).
+        assert got["during_step"] == {"gathered": 0, "buckets": 0, "temporaries": bounds["temporaries"]}, rank
+        assert (bounds["temporaries"] > 0) == (precision == "bf16-mixed")
+        flat = got["as_dict"]
+        assert flat["peak"] == peak.total
+        assert {k: flat[f"peak_{k}"] for k in (*KINDS, "model_states")} == {**transient, "model_states": got["total"]}
