@@ -4,7 +4,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.checkpoint import consolidate
-from lightning_zero.core.memory import MemoryReport
+from lightning_zero.core.memory import MemoryReport, StepPeak
 from lightning_zero.estimate import MemoryEstimate, estimate_memory
 from lightning_zero.fabric_precision import ZeroFabricPrecision
 from lightning_zero.fabric_strategy import ZeroFabricStrategy
@@ -17,6 +17,7 @@ from lightning_zero.version import __version__
 __all__ = [
     "MemoryEstimate",
     "MemoryReport",
+    "StepPeak",
     "ZeroFabricPrecision",
     "ZeroFabricStrategy",
     "ZeroMonitor",

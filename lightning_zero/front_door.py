@@ -132,7 +132,9 @@ class ZeroFrontDoor:
             yield
 
     def memory_report(self) -> MemoryReport:
-        """Bytes of parameters, gradients and optimizer state that this rank holds now.
+        """Bytes of parameters, gradients and optimizer state that this rank holds now, and in ``step_peak`` the
+        last training step's peak by kind (model states, gathered units, gradient buckets, step temporaries; on CUDA
+        the allocator's peak and the activations beyond the rest; see docs/design.md, "The peak of a step").
 
         Raises:
             RuntimeError: before a setup has sharded the model.

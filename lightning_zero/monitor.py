@@ -17,7 +17,9 @@ class ZeroMonitor(Callback):
     ``shard_size`` also ``zero/shard_group_bytes`` and ``zero/replicate_group_bytes``. The step's peak:
     ``zero/peak_bytes`` and by kind ``zero/peak_model_states_bytes``, ``zero/peak_gathered_bytes``,
     ``zero/peak_buckets_bytes``, ``zero/peak_temporaries_bytes`` and, on CUDA, ``zero/peak_activations_bytes``
-    (see :class:`~lightning_zero.MemoryReport`'s ``step_peak``).
+    (see :class:`~lightning_zero.MemoryReport`'s ``step_peak``). On CUDA the monitor has the strategy reset the
+    allocator's peak statistics (``torch.cuda.reset_peak_memory_stats``) before each training forward, so that
+    ``torch.cuda.max_memory_allocated()`` reads the step's peak.
 
     The byte counts are this rank's model states measured from the tensors it holds after the step, and the
     bytes it moved in collectives during that step (see ``ZeroStrategy.comm_report()``), in total, by where they
@@ -34,6 +36,14 @@ class ZeroMonitor(Callback):
             raise ValueError(
                 f"ZeroMonitor needs Trainer(strategy=ZeroStrategy(...)), got {type(trainer.strategy).__name__}."
             )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, ZeroStrategy)
+        engine = strategy.session.engine_or_none
+        if engine is not None:
+            engine.allocator_peak = True  # the step peak on CUDA holds the allocator's
 
     @override
     def on_train_batch_end(

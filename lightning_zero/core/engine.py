@@ -115,6 +115,9 @@ class ZeroEngine:
         release_previous_engine(module)  # one engine drives a module at a time
         self.module, self.options, self.comm = module, options, comm
         self._released = False
+        # On CUDA: reset the allocator's peak statistics at each iteration and report its peak in the step peak.
+        # Off by default: it changes what torch.cuda.max_memory_allocated() reads for everyone (ZeroMonitor sets it).
+        self.allocator_peak = False
         self.optimizers = list(optimizers)
         self.policy = precision or PrecisionPolicy()
         self.device = device or next(module.parameters(), torch.empty(0)).device
@@ -207,7 +210,7 @@ class ZeroEngine:
             self.changes.remember(self.model.managed_ids())
             self.model.attach_ledger()
         self.model.ledger.reset()  # the step's peak starts here (see memory_report)
-        if self.device.type == "cuda":
+        if self.allocator_peak and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _take_changes(self) -> None:
@@ -306,10 +309,11 @@ class ZeroEngine:
     # ------------------------------------------------------------------ reports
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state this rank holds now (see :class:`ShardedModel`), and
-        the peak since the last :meth:`begin_iteration` by kind (``step_peak``; on CUDA with the allocator's peak,
-        whose statistics :meth:`begin_iteration` resets)."""
+        the peak since the last :meth:`begin_iteration` by kind (``step_peak``; with :attr:`allocator_peak` on CUDA
+        also the allocator's peak)."""
         report = self.model.memory_report()
-        allocated = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        measured = self.allocator_peak and self.device.type == "cuda"
+        allocated = torch.cuda.max_memory_allocated(self.device) if measured else None
         return dataclasses.replace(report, step_peak=self.model.step_peak(report, allocated))
 
     @property

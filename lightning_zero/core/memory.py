@@ -16,8 +16,9 @@ class StepPeak:
     masters; the optimizer state of a first step appears during it). ``gathered``, ``buckets`` and ``temporaries``:
     the core's transient buffers (stage-3 gathered units, gradient staging buffers and reduce-scatter outputs, the
     wide step gradients of a master copy) at the moment their sum was highest since the step began. ``allocated``
-    (CUDA only, else ``None``): ``torch.cuda.max_memory_allocated`` since the step began; ``activations`` (CUDA
-    only) is what it holds beyond the other kinds: activations, autograd's temporaries, the batch.
+    (CUDA with ``ZeroEngine.allocator_peak``, which ``ZeroMonitor`` sets; else ``None``):
+    ``torch.cuda.max_memory_allocated`` since the step began; ``activations`` (likewise) is what it holds beyond the
+    other kinds: activations, autograd's temporaries, the batch.
     """
 
     model_states: int = 0
