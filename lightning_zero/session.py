@@ -31,6 +31,7 @@ from lightning_zero.checkpoint import (
     load_sharded_params,
     save_sharded,
 )
+from lightning_zero.checkpoint.background import BackgroundSaves
 from lightning_zero.checkpoint.state import tensor_specs
 from lightning_zero.checkpoint.state_view import saving_changes, saving_state_dict, values_of
 from lightning_zero.config import ZeroConfig
@@ -112,6 +113,7 @@ class ZeroSession:
         self._engine: ZeroEngine | _Unsharded = UNSHARDED
         self._sync_buffers_next = True
         self._checkpointing_applied = False  # forward wrappers are added once per session
+        self.background = BackgroundSaves()  # asynchronous sharded saves (see [Note: asynchronous sharded saves])
 
     # ------------------------------------------------------------------ the engine
     @property
@@ -328,20 +330,24 @@ class ZeroSession:
         for optimizer, state in zip(managed, checkpoint["optimizer_states"], strict=True):
             engine.load_full_optimizer_state_dict(optimizer, state)
 
-    def save_sharded(self, checkpoint: Mapping[str, Any], filepath: str | os.PathLike, precision: str) -> None:
-        """Write ``checkpoint`` as a sharded directory: each rank its shards, rank 0 the rest (collective)."""
+    def save_sharded(
+        self, checkpoint: Mapping[str, Any], filepath: str | os.PathLike, precision: str, background: bool = False
+    ) -> None:
+        """Write ``checkpoint`` as a sharded directory: each rank its shards, rank 0 the rest (collective). With
+        ``background`` only a snapshot is taken now (see [Note: asynchronous sharded saves])."""
         self._refuse_changed_state_dict(checkpoint.get("state_dict"))
         extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        with_optimizers = "optimizer_states" in checkpoint  # absent for save_checkpoint(weights_only=True)
-        save_sharded(
-            self.engine.named_state(),
-            filepath,
-            extra,
-            __version__,
-            precision,
-            with_optimizers,
-            partition=self.config.engine.partition,
-        )
+        options = {
+            "version": __version__,
+            "precision": precision,
+            "optimizers": "optimizer_states" in checkpoint,  # absent for save_checkpoint(weights_only=True)
+            "partition": self.config.engine.partition,
+        }
+        if background:
+            self.background.start(self.engine.named_state(), filepath, extra, **options)
+        else:
+            self.background.wait()  # saves commit in the order they were made
+            save_sharded(self.engine.named_state(), filepath, extra, **options)
 
     def _refuse_changed_state_dict(self, state_dict: Any) -> None:
         """Raise on every rank where a hook changed ``checkpoint["state_dict"]`` on any rank (collective): see

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -17,6 +17,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.core.optimizer import _MockOptimizer
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -197,6 +198,13 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
             yield
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # A background save's outcome, taken at the same step on every rank (collective while one is in flight).
+        if self.session.comm is not None:
+            self.session.background.poll(self.session.comm)
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         with self.session.training_forward(manual=not module.automatic_optimization):
@@ -273,7 +281,8 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         if not self.session.sharded_checkpoints:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
-        self.session.save_sharded(checkpoint, filepath, self.precision_plugin.precision)
+        background = isinstance(self.checkpoint_io, AsyncCheckpointIO)  # see [Note: asynchronous sharded saves]
+        self.session.save_sharded(checkpoint, filepath, self.precision_plugin.precision, background)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -288,8 +297,8 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Rank 0 removes ``filepath``: a sharded directory, a symbolic link to one (the link only:
         ``ModelCheckpoint(save_last="link")``'s ``last.ckpt``) or a file."""
-        if not self.is_global_zero:
-            return
+        if not self.is_global_zero or self.session.background.remove_later(filepath):
+            return  # a save in flight removes it once committed (see [Note: asynchronous sharded saves])
         if os.path.islink(filepath) or os.path.isdir(filepath):
             remove_sharded(filepath)
         else:
@@ -302,8 +311,11 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         # work after fit, and so does the module, where it is: its parameters are views of the engine's buffers
         # (at stage 3, of freed ones: gathering them here could exceed a rank's memory). Lightning's teardown would
         # move the module to the CPU, away from those buffers; this one does the rest of what Lightning's does.
+        # fit ends once a background save committed; its error is raised after the rest of the teardown.
+        error = _error_of(self.session.background.close)
         if not self.session.sharded and not half_built(self.lightning_module):
             super().teardown()
+            _raise(error)
             return
         # With an engine, or after a stage-3 setup that raised part way (some parameters still on the meta device,
         # which a move to the CPU would fail on, hiding the setup's own error).
@@ -315,6 +327,20 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+        _raise(error)
+
+
+def _error_of(call: Callable[[], None]) -> BaseException | None:
+    try:
+        call()
+    except Exception as error:
+        return error
+    return None
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
 
 
 def _resume_fabric_checkpoint(checkpoint: dict[str, Any], path: _PATH) -> None:

@@ -32,10 +32,13 @@ import os
 import shutil
 import uuid
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
 
 from lightning_zero.checkpoint import state as named
 from lightning_zero.checkpoint.metadata import (
@@ -52,6 +55,27 @@ from lightning_zero.core.comm import Communicator
 from lightning_zero.core.named_state import NamedState
 
 
+@dataclass
+class PendingSave:
+    """A sharded save between its snapshot (:func:`begin_save`) and its commit (:func:`finish_save`).
+
+    ``files`` maps the file names this rank still has to write to their contents (snapshots with an asynchronous
+    save, views of the live state otherwise); ``digests`` holds those already written."""
+
+    path: Path
+    tmp: Path
+    token: str
+    files: dict[str, Any] = field(default_factory=dict)
+    digests: dict[str, dict[str, int]] = field(default_factory=dict)
+    metadata: dict[str, Any] | None = None  # rank 0: build_metadata's arguments but the files
+    failure: str | None = None
+    snapshot_bytes: int = 0  # bytes of the copies this save holds in memory
+
+    def release(self) -> None:
+        self.files.clear()
+        self.snapshot_bytes = 0
+
+
 def save_sharded(
     state: NamedState,
     path: str | Path,
@@ -63,46 +87,103 @@ def save_sharded(
 ) -> None:
     """Write an engine's shards (optimizer state too with ``optimizers``) and rank 0's ``extra`` to the directory
     ``path`` (collective). All or nothing, on every rank: see [Note: committing a sharded save]."""
+    with state.saving():  # offloaded state streamed from the swap file, not copied into memory
+        pending = begin_save(state, path, extra, version, precision, optimizers, partition, snapshot=False)
+        finish_save(pending, state.world)
+
+
+def begin_save(
+    state: NamedState,
+    path: str | Path,
+    extra: dict[str, Any],
+    version: str,
+    precision: str,
+    optimizers: bool,
+    partition: str,
+    snapshot: bool,
+) -> PendingSave:
+    """The part of a save that reads the training state (collective: the ranks agree on a name for the new
+    directory). With ``snapshot`` what the files will hold is copied, so that :func:`finish_save` may run while
+    training goes on: see [Note: asynchronous sharded saves]."""
     comm, shard = state.world, state.comm  # every rank agrees; the shard group's ranks write (one replica)
     path = Path(path)
     token = comm.all_gather_object(uuid.uuid4().hex[:12] if comm.rank == 0 else None)[0]
-    tmp = path.with_name(f"{path.name}.tmp-{token}")
-    failure = None
-    digests: dict[str, dict[str, int]] = {}
+    pending = PendingSave(path, path.with_name(f"{path.name}.tmp-{token}"), token)
     try:
-        tmp.mkdir(parents=True, exist_ok=True)
+        pending.tmp.mkdir(parents=True, exist_ok=True)
         if state.writes:
-            with state.saving():  # offloaded state streamed from the swap file, not copied into memory
-                rank_state = named.collect_rank_state(state, shard.rank, optimizers)
-                mine = {"rank": shard.rank, "world_size": shard.world_size, **rank_state}
-                digests[rank_file(shard.rank)] = _write(tmp / rank_file(shard.rank), mine)
-                del rank_state, mine
+            rank_state = named.collect_rank_state(state, shard.rank, optimizers)
+            pending.files[rank_file(shard.rank)] = {"rank": shard.rank, "world_size": shard.world_size, **rank_state}
+            del rank_state
         if comm.rank == 0:
-            digests[LIGHTNING_FILE] = _write(tmp / LIGHTNING_FILE, extra)
+            pending.files[LIGHTNING_FILE] = extra
+            pending.metadata = {
+                "version": version,
+                "world_size": shard.world_size,
+                "stage": state.stage,
+                "partition": partition,
+                "precision": precision,
+                "tensors": named.tensor_specs(state),
+                "state_dict_keys": state.state_dict_keys(),
+                "optimizers": state.optimizer_param_names() if optimizers else [],
+                "optimizer_states": optimizers,
+            }
+        if snapshot:
+            _snapshot(pending, state.rests_on_disk)
+    except Exception as error:  # agreed in finish_save, then raised on every rank
+        pending.failure = f"{type(error).__name__}: {error}"
+        pending.release()
+    return pending
+
+
+def _snapshot(pending: PendingSave, rests_on_disk: bool) -> None:
+    """Make ``pending`` independent of the training state: state that rests in the swap file is written now (into
+    the page cache: the file is flushed to the disk later), the rest copied into memory."""
+    if rests_on_disk:
+        for name, contents in list(pending.files.items()):
+            pending.digests[name] = _write(pending.tmp / name, contents, sync=False)
+            del pending.files[name]
+        return
+    copies = apply_to_collection(pending.files, Tensor, lambda t: t.detach().clone())
+    pending.files = copies
+    seen: set[int] = set()
+    for tensor in _tensors(copies):
+        if tensor.untyped_storage().data_ptr() not in seen:
+            seen.add(tensor.untyped_storage().data_ptr())
+            pending.snapshot_bytes += tensor.untyped_storage().nbytes()
+
+
+def _tensors(obj: Any) -> list[Tensor]:
+    found: list[Tensor] = []
+    apply_to_collection(obj, Tensor, found.append)
+    return found
+
+
+def finish_save(pending: PendingSave, comm: Communicator) -> None:
+    """Write what :func:`begin_save` left, agree that every rank's files are on disk, and commit (collective over
+    ``comm``, which may be a group of its own: see [Note: asynchronous sharded saves])."""
+    path, tmp = pending.path, pending.tmp
+    try:
+        for name, contents in list(pending.files.items()):
+            pending.digests[name] = _write(tmp / name, contents)
+            del pending.files[name]
+        for name in pending.digests:
+            _sync(tmp / name)  # written into the page cache by a snapshot: on the disk now
     except Exception as error:  # agreed below, then raised on every rank
-        failure = f"{type(error).__name__}: {error}"
-    outcomes = comm.all_gather_object((failure, digests))  # every rank's file is on disk, or who failed
+        pending.failure = pending.failure or f"{type(error).__name__}: {error}"
+    pending.release()
+    outcomes = comm.all_gather_object((pending.failure, pending.digests))  # every rank's file is on disk, or who failed
     _agree([failure for failure, _ in outcomes], f"writing the sharded checkpoint '{path}'", path, tmp, comm)
     failure = None
     if comm.rank == 0:
         try:
-            metadata = build_metadata(
-                version=version,
-                world_size=shard.world_size,
-                stage=state.stage,
-                partition=partition,
-                precision=precision,
-                tensors=named.tensor_specs(state),
-                state_dict_keys=state.state_dict_keys(),
-                optimizers=state.optimizer_param_names() if optimizers else [],
-                optimizer_states=optimizers,
-                files={name: digest for _, theirs in outcomes for name, digest in theirs.items()},
-            )
-            write_metadata(tmp, metadata)  # last: a directory without it is never taken for a checkpoint
+            assert pending.metadata is not None
+            files = {name: digest for _, theirs in outcomes for name, digest in theirs.items()}
+            write_metadata(tmp, build_metadata(**pending.metadata, files=files))  # last: see the note
             _sync(tmp / METADATA_FILE)
             (tmp / COMPLETE_FILE).touch()  # every rank's shard is on disk: this directory is a checkpoint
             _sync(tmp)
-            _commit(tmp, path, token)
+            _commit(tmp, path, pending.token)
             (path / COMPLETE_FILE).unlink()  # only a directory not renamed yet needs to say it is complete
             _remove_leftovers(path)
         except Exception as error:
@@ -111,11 +192,12 @@ def save_sharded(
     _agree(comm.all_gather_object(failure), what, path, None, comm)
 
 
-def _write(file: Path, obj: Any) -> dict[str, int]:
-    """``torch.save`` ``obj`` to ``file`` and flush it to the disk; returns its size and CRC-32 (see
+def _write(file: Path, obj: Any, sync: bool = True) -> dict[str, int]:
+    """``torch.save`` ``obj`` to ``file`` and (with ``sync``) flush it to the disk; returns its size and CRC-32 (see
     [Note: checksums of a sharded checkpoint])."""
     torch.save(obj, file)
-    _sync(file)
+    if sync:
+        _sync(file)
     return file_digest(file)
 
 

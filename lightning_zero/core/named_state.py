@@ -96,6 +96,7 @@ class NamedState:
         self.world = model.topology.world  # every rank (agreements)
         self.writes = model.topology.writes  # whether this rank writes checkpoint files (one replica does)
         self.stage = model.stage
+        self.rests_on_disk = model.offload.swap is not None  # some state lives in a swap file (offload to "nvme")
 
     def tensors(self) -> list[ShardedTensor]:
         """Every parameter held in a flat buffer, in the module's ``state_dict`` order."""

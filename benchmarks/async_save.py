@@ -1,0 +1,139 @@
+"""How long a sharded save stalls training, with Lightning's ``AsyncCheckpointIO`` against the synchronous save.
+
+Run on demand, from the repository root (about 4 minutes with the defaults)::
+
+    python benchmarks/async_save.py --out benchmarks/out/async_save.json
+
+Two gloo ranks fit the same model (an MLP of ``--layers`` square ``Linear(--width)`` layers, fp32 AdamW,
+``ZeroStrategy(stage=--stage)``) for ``--steps`` steps, saving a sharded checkpoint after every ``--every``-th
+step, once with synchronous saves and once with ``plugins=[AsyncCheckpointIO()]`` (in that order, then again in
+the other order, ``--rounds`` times), and once without saves. Measured on rank 0, per save:
+
+* **call**: the wall time of ``trainer.save_checkpoint`` (the synchronous save writes, flushes and commits in it;
+  the asynchronous one takes its snapshot in it, or waits for the previous save first);
+* **stall**: what the save added to the run: (fit time with saves - fit time without) / saves. For the
+  asynchronous save this includes the background write's competition for the CPU and the disk with training,
+  and the wait for the last commit at the end of fit.
+
+It also prints the checkpoint's bytes per rank and the snapshot's peak bytes per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_zero import ZeroStrategy  # noqa: E402
+from tests.helpers import run_on_ranks  # noqa: E402
+
+
+class Mlp(pl.LightningModule):
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        return self.body(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
+
+
+class SaveEvery(pl.Callback):
+    """``trainer.save_checkpoint`` after every ``every``-th step; records each call's wall time."""
+
+    def __init__(self, every: int, directory: Path) -> None:
+        self.every, self.directory, self.calls_s = every, directory, []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.every and trainer.global_step % self.every == 0:
+            start = time.perf_counter()
+            trainer.save_checkpoint(self.directory / f"step{trainer.global_step}")
+            self.calls_s.append(time.perf_counter() - start)
+
+
+def fit(rank: int, world_size: int, args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Mlp(args.width, args.layers)
+    data = TensorDataset(torch.randn(args.steps * world_size * args.batch, args.width))
+    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        saver = SaveEvery(0 if mode == "none" else args.every, Path(directory))
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=ZeroStrategy(stage=args.stage),
+            plugins=[AsyncCheckpointIO()] if mode == "async" else None,
+            max_steps=args.steps,
+            callbacks=[saver],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        start = time.perf_counter()
+        trainer.fit(model, DataLoader(data, batch_size=args.batch))
+        fit_s = time.perf_counter() - start
+        saved = sorted(Path(directory).glob("step*/rank_*.pt"))
+        return {
+            "fit_s": fit_s,
+            "calls_s": saver.calls_s,
+            "rank_file_bytes": saved[0].stat().st_size if saved else 0,
+            "snapshot_bytes": trainer.strategy.session.background.peak_snapshot_bytes,
+        }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=11)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: the system's tmp)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    runs: dict[str, list[dict[str, Any]]] = {"none": [], "sync": [], "async": []}
+    for index in range(args.rounds):
+        order = ["sync", "async"] if index % 2 == 0 else ["async", "sync"]
+        for mode in ["none", *order]:
+            result = run_on_ranks(fit, 2, args, mode, timeout_s=1800)[0]
+            runs[mode].append(result)
+            print(f"round {index} {mode}: fit {result['fit_s']:.2f} s, calls {[round(c, 3) for c in result['calls_s']]}")
+    base = statistics.median(r["fit_s"] for r in runs["none"])
+    table = ["| save | call s (median, min-max) | stall s per save | file MiB per rank | snapshot MiB per rank |"]
+    table.append("|---|---|---|---|---|")
+    summary = {}
+    for mode in ("sync", "async"):
+        calls = [c for r in runs[mode] for c in r["calls_s"]]
+        stall = statistics.median((r["fit_s"] - base) / len(r["calls_s"]) for r in runs[mode])
+        summary[mode] = {"call_median_s": statistics.median(calls), "stall_s": stall}
+        table.append(
+            f"| {mode} | {statistics.median(calls):.2f} ({min(calls):.2f}-{max(calls):.2f}) | {stall:.2f} | "
+            f"{runs[mode][0]['rank_file_bytes'] / 2**20:.0f} | {runs[mode][0]['snapshot_bytes'] / 2**20:.0f} |"
+        )
+    ratio = summary["async"]["stall_s"] / summary["sync"]["stall_s"]
+    print("\n".join(table))
+    print(f"fit without saves: {base:.2f} s; async stall / sync stall = {ratio:.3f}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs, "summary": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Sharded saves that finish in the background while training goes on.
+
+[Note: asynchronous sharded saves]
+With Lightning's ``AsyncCheckpointIO`` plugin a sharded save is split in two (see checkpoint/saving.py):
+
+* :func:`begin_save`, on the training thread: the ranks agree on a name for the new directory, and each rank takes
+  a *snapshot* of what its files will hold: its shards and optimizer state are copied into host memory (state that
+  rests in the swap file, with ``offload_*="nvme"``, is written straight into the new file instead, i.e. into the
+  page cache). The next step waits for this alone.
+* :func:`finish_save`, on one worker thread a rank: the files are written and flushed to the disk, the ranks agree
+  that every file is there and rank 0 commits the directory, all or nothing, exactly as a synchronous save does.
+  Its collectives run over a process group of its own (created at the first asynchronous save, where every rank
+  saves), so they never interleave with the training thread's.
+
+One save is in flight at a time: a new save first waits for the previous one to commit, so at most one snapshot
+(the rank's share of the model states) is held, and a checkpoint removed while a save is in flight
+(``ModelCheckpoint(save_top_k=k)`` deleting the oldest) is removed only after that save committed, so a crash at
+any moment leaves the last committed checkpoint. The training thread learns the outcome at agreed points only:
+each training step's start while a save is in flight (a 4-byte all-reduce of "done here", so that every rank sees
+the save finished at the same step), the next save, and the end of ``fit``. A failed write (a full disk on one
+rank) is agreed inside :func:`finish_save`, so every rank raises the same ``CheckpointError``, naming the rank and
+the file, at the same step.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from lightning_zero.checkpoint.saving import PendingSave, begin_save, finish_save, remove_sharded
+from lightning_zero.core.comm import Communicator
+from lightning_zero.core.named_state import NamedState
+
+
+class BackgroundSaves:
+    """At most one sharded save in flight, finished by a worker thread over a process group of its own."""
+
+    def __init__(self) -> None:
+        self._comm: Communicator | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._future: Future[None] | None = None
+        self._pending: PendingSave | None = None
+        self._removals: list[Path] = []
+        self._committed = False  # the save in flight committed (its removals are done or made by the caller)
+        self._lock = threading.Lock()
+        self.saves = 0  # started
+        self.peak_snapshot_bytes = 0  # the largest snapshot held, this rank
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save was started and its outcome not taken yet (the same on every rank)."""
+        return self._future is not None
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes this rank holds now in snapshot copies (0 once the save's files are written)."""
+        return self._pending.snapshot_bytes if self._pending is not None else 0
+
+    def start(self, state: NamedState, path: str | Path, extra: dict[str, Any], **options: Any) -> None:
+        """Snapshot ``state`` for a save to ``path`` and finish it in the background (collective). Waits first for
+        a save in flight (and raises its error)."""
+        self.wait()
+        if self._comm is None:  # collective: every rank makes its first asynchronous save here
+            self._comm = state.world.split([list(state.world.ranks)], "checkpoint")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-zero-save")
+        extra = _copied(extra)
+        with state.saving():  # state resting in the swap file is read from maps of it
+            pending = begin_save(state, path, extra, snapshot=True, **options)
+        self.saves += 1
+        self.peak_snapshot_bytes = max(self.peak_snapshot_bytes, pending.snapshot_bytes)
+        assert self._executor is not None
+        self._pending, self._committed = pending, False
+        self._future = self._executor.submit(self._finish, pending, torch.cuda.current_device() if _cuda() else None)
+
+    def _finish(self, pending: PendingSave, device: int | None) -> None:
+        if device is not None:
+            torch.cuda.set_device(device)  # NCCL stages this thread's objects on the rank's device
+        assert self._comm is not None
+        finish_save(pending, self._comm)  # raises on every rank where any failed: nothing is removed then
+        with self._lock:
+            removals, self._removals, self._committed = self._removals, [], True
+        if self._comm.rank == 0:
+            for path in removals:
+                remove_sharded(path)
+        self._comm.barrier()  # once the save's outcome is taken on any rank, its removals are done
+
+    def remove_later(self, path: str | Path) -> bool:
+        """Queue ``path`` for removal once the save in flight committed (``True``), or ``False`` where none is in
+        flight or it committed already: remove it now. A save that failed removes nothing (its error is raised at
+        the next poll)."""
+        with self._lock:
+            if self._future is None or self._committed:
+                return False
+            self._removals.append(Path(path))
+            return True
+
+    def poll(self, world: Communicator) -> None:
+        """At a training step's start: take the outcome of the save in flight if it finished on every rank (a
+        4-byte all-reduce, only while one is in flight); raises its error on every rank."""
+        if self._future is None:
+            return
+        done = torch.tensor([int(self._future.done())], dtype=torch.int32)
+        world.all_reduce(done, op="min", label="agree")
+        if done.item():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the save in flight (if any) and raise its error."""
+        future, self._future = self._future, None
+        if future is None:
+            return
+        try:
+            future.result()
+        finally:
+            self._pending = None
+
+    def close(self) -> None:
+        """Wait for the save in flight and end the worker thread; raises the save's error."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _copied(extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` (Lightning's loops, callbacks, schedulers) with its tensors copied: the save writes it later."""
+    return apply_to_collection(extra, torch.Tensor, lambda t: t.detach().clone())
