@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_zero import ZeroStrategy  # noqa: E402
-from tests.helpers import run_on_ranks  # noqa: E402
+from lightning_zero import ZeroStrategy
+from tests.helpers import run_on_ranks
 
 
 class Mlp(pl.LightningModule):
@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
         for mode in ["none", *order]:
             result = run_on_ranks(fit, 2, args, mode, timeout_s=1800)[0]
             runs[mode].append(result)
-            print(f"round {index} {mode}: fit {result['fit_s']:.2f} s, calls {[round(c, 3) for c in result['calls_s']]}")
+            calls = [round(c, 3) for c in result["calls_s"]]
+            print(f"round {index} {mode}: fit {result['fit_s']:.2f} s, calls {calls}")
     base = statistics.median(r["fit_s"] for r in runs["none"])
     table = ["| save | call s (median, min-max) | stall s per save | file MiB per rank | snapshot MiB per rank |"]
     table.append("|---|---|---|---|---|")

@@ -24,7 +24,8 @@ class ZeroMonitor(Callback):
     The byte counts are this rank's model states measured from the tensors it holds after the step, and the
     bytes it moved in collectives during that step (see ``ZeroStrategy.comm_report()``), in total, by where they
     travelled, and with hybrid sharding by group: inside its shard group (stage 3's gathers included) and across
-    the replicas. Logged by rank 0, every ``log_every_n_steps``.
+    the replicas. With ``AsyncCheckpointIO``, ``zero/checkpoint_snapshot_bytes`` is the largest snapshot a
+    background save held (see [Note: asynchronous sharded saves]). Logged by rank 0, every ``log_every_n_steps``.
 
     Raises:
         ValueError: when the Trainer's strategy is not a :class:`~lightning_zero.ZeroStrategy`.
@@ -65,6 +66,8 @@ class ZeroMonitor(Callback):
             metrics["zero/peak_bytes"] = float(report.step_peak.total)
             for kind, nbytes in report.step_peak.by_kind.items():
                 metrics[f"zero/peak_{kind}_bytes"] = float(nbytes)
+        if strategy.session.background.saves:  # asynchronous saves: the largest snapshot this rank held
+            metrics["zero/checkpoint_snapshot_bytes"] = float(strategy.session.background.peak_snapshot_bytes)
         if strategy.config.engine.shard_size is not None:
             shard_group = comm.by_group.get("shard", 0) + comm.by_group.get("gather", 0)
             metrics["zero/shard_group_bytes"] = float(shard_group)

@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
+from lightning_zero import ZeroMonitor
 from lightning_zero.checkpoint import saving
 from lightning_zero.checkpoint.metadata import METADATA_FILE
 from tests.helpers import run_on_ranks
@@ -109,15 +110,16 @@ def killed_job(rank: int, world_size: int, directory: str) -> None:
 
 def _cases(rank: int, world_size: int, root: str, killed: str) -> dict[str, Any]:
     root_dir = Path(root)
-    out: dict[str, Any] = {"final": {}, "plain": {}, "kept": {}, "resumed": {}, "snapshot": {}}
+    out: dict[str, Any] = {"final": {}, "plain": {}, "kept": {}, "resumed": {}, "snapshot": {}, "logged_snapshot": {}}
     for name, config in CONFIGS.items():
         directory = root_dir / name
         original, saving._write = saving._write, _slow_writes(0.1)  # type: ignore[assignment]
         try:
-            trainer, out["final"][name] = _fit(world_size, config, directory)
+            trainer, out["final"][name] = _fit(world_size, config, directory, callbacks=[ZeroMonitor()])
         finally:
             saving._write = original  # type: ignore[assignment]
         out["snapshot"][name] = trainer.strategy.session.background.peak_snapshot_bytes
+        out["logged_snapshot"][name] = trainer.callback_metrics["zero/checkpoint_snapshot_bytes"].item()
         out["kept"][name] = sorted(p.name for p in directory.iterdir() if p.name != "swap")
         for kept in out["kept"][name]:
             if kept != "last.ckpt" and not kept.startswith(f"epoch={STEPS // 2 - 1}"):
@@ -182,6 +184,7 @@ def test_kept_checkpoints_are_complete_and_resume_bit_equal(runs: dict[str, Any]
         for key, tensor in rank0["final"][name].items():
             assert torch.equal(state[key], tensor), f"{name}: {key} differs after resuming"
     assert rank0["snapshot"][name] > 0 if name != "stage2_nvme" else rank0["snapshot"][name] == 0
+    assert rank0["logged_snapshot"][name] == rank0["snapshot"][name]  # what ZeroMonitor logs
 
 
 def test_saving_in_the_background_leaves_training_unchanged(runs: dict[str, Any]) -> None:
