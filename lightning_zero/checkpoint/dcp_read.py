@@ -193,6 +193,34 @@ class DcpCheckpoint(ShardedCheckpoint):
             out[name] = scalars
         return out
 
+    def as_left_by_hook(self, state_dict: Any, keys: list[list[str]]) -> ShardedCheckpoint:
+        """As for a sharded directory; DCP saves a tied tensor under each of its keys, so where the module ties
+        keys (``[key, name]`` with ``key != name``) and the hook changed nothing, each tied key's entry is checked
+        equal to its tensor's (read in blocks) and the tensor is loaded once, under its name."""
+        tied = [(key, name) for key, name in keys if key != name and key in self.tensors and name in self.tensors]
+        if not tied or not self._left_unchanged(state_dict):
+            return super().as_left_by_hook(state_dict, keys)
+        for key, name in tied:
+            if not self._same_values(key, name):
+                raise CheckpointError(
+                    f"{self.where}: this model ties {key!r} to {name!r}, but the checkpoint holds different values "
+                    "under them: it was saved from a model without that tie. Load it into such a model."
+                )
+        return super().as_left_by_hook({**state_dict, **{key: state_dict[name] for key, name in tied}}, keys)
+
+    def _same_values(self, key: str, name: str, block: int = 2**24) -> bool:
+        a, b = self._fqn[(self._model, key)], self._fqn[(self._model, name)]
+        if self.tensors[key]["shape"] != self.tensors[name]["shape"]:
+            return False
+        numel = math.prod(self.tensors[key]["shape"])
+        return all(
+            torch.equal(
+                self._read_range(a, start, min(start + block, numel)),
+                self._read_range(b, start, min(start + block, numel)),
+            )
+            for start in range(0, numel, block)
+        )
+
     def param_groups(self, index: int) -> list[dict[str, Any]]:
         return [{k: v for k, v in group.items() if k != "params"} for group in self._groups[index]]
 

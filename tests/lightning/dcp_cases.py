@@ -33,6 +33,7 @@ def run_all(rank: int, world_size: int, directory: str) -> dict[str, Any]:
         ("zero_to_dcp", _zero_to_dcp),
         ("dcp_resume", _dcp_resume),
         ("fsdp_to_zero", _fsdp_to_zero),
+        ("tied", _tied),
         ("mismatch", _mismatch),
     ]:
         try:
@@ -142,6 +143,19 @@ def _fsdp_to_zero(rank: int, world_size: int, root: Path) -> dict[str, Any]:
         case = _two_layer_case(strategy=stage, trainer={"max_steps": 2}, ckpt_path=str(root / f"fsdp-{layout}"))
         resumed[stage] = fit_case(world_size, case)["state"]
     return {"reference": reference, "resumed": resumed}
+
+
+def _tied(rank: int, world_size: int, root: Path) -> dict[str, Any]:
+    """TiedLM (head tied to the embedding; DCP holds both keys) at stage 3 -> convert -> resumed at stage 2."""
+    from lightning_zero import convert
+
+    case = {"model": "tied", "strategy": 3, "samples": SAMPLES, "trainer": {"max_steps": 4}}
+    uninterrupted = fit_case(world_size, {**case, "save_at": (2, str(root / "tied.ckpt"))})["state"]
+    if rank == 0:
+        convert(root / "tied.ckpt", root / "tied-dcp", to="dcp")
+    dist.barrier()
+    resumed = fit_case(world_size, {**case, "strategy": 2, "ckpt_path": str(root / "tied-dcp")})["state"]
+    return {"uninterrupted": uninterrupted, "resumed": resumed}
 
 
 def _mismatch(rank: int, world_size: int, root: Path) -> str:

@@ -69,6 +69,12 @@ def test_fsdp2_to_zero_continues_as_fsdp2(ranks: Any, stage: int) -> None:
     _close(result["reference"], result["resumed"][stage])
 
 
+def test_tied_weights_resume_from_converted_directory(ranks: Any) -> None:
+    """DCP holds a tied tensor under both keys: checked equal, loaded once."""
+    result = _case(ranks, "tied")
+    _close(result["uninterrupted"], result["resumed"])
+
+
 def test_mismatched_keys_name_missing_and_unexpected_on_every_rank(ranks: Any) -> None:
     for rank in range(2):
         message = _case(ranks, "mismatch", rank)
