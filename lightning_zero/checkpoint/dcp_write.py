@@ -10,6 +10,7 @@ tensor in memory. Keys and aliases: see [Note: the DCP layout].
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -89,8 +90,10 @@ def _state_dict(checkpoint: ShardedCheckpoint) -> tuple[dict[str, Any], _Sources
         for key, name in checkpoint.metadata["state_dict_keys"]
     }
     state: dict[str, Any] = {TORCH_MODEL: model, LIGHTNING_MODEL: dict(model)}
-    optimizers = [_optimizer(checkpoint, index, stand_in) for index in range(len(checkpoint.metadata["optimizers"]))]
-    if optimizers and checkpoint.metadata.get("optimizer_states", True):
+    with_states = checkpoint.metadata.get("optimizer_states", True)  # False: saved with weights_only=True
+    count = len(checkpoint.metadata["optimizers"]) if with_states else 0
+    optimizers = [_optimizer(checkpoint, index, stand_in) for index in range(count)]
+    if optimizers:
         state[TORCH_OPTIM] = {
             "state": {name: values for optimizer in optimizers for name, values in optimizer["state"].items()},
             "param_groups": [group for optimizer in optimizers for group in optimizer["param_groups"]],
@@ -109,7 +112,8 @@ def _optimizer(
     for name, scalars in checkpoint.optimizer_scalars(index).items():
         entry = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in scalars.items()}
         for key in entry.pop("__tensor_keys__"):
-            dtype = checkpoint.read((index, key), name, 0, 1).dtype if _numel(checkpoint, name) else torch.float32
+            numel = math.prod(checkpoint.tensors[name]["shape"])
+            dtype = checkpoint.read((index, key), name, 0, 1).dtype if numel else torch.float32
             entry[key] = stand_in((index, key), name, dtype)
         for key in entry.pop("__whole_keys__", []):  # saved whole by the owner (Adafactor's factors): small
             entry[key] = checkpoint.read_whole((index, key), name).clone()
@@ -118,13 +122,6 @@ def _optimizer(
     hyper = checkpoint.param_groups(index)
     param_groups = [{**h, "params": list(names)} for h, names in zip(hyper, groups, strict=True)]
     return {"state": state, "param_groups": param_groups}
-
-
-def _numel(checkpoint: ShardedCheckpoint, name: str) -> int:
-    numel = 1
-    for size in checkpoint.tensors[name]["shape"]:
-        numel *= size
-    return numel
 
 
 class _LazySavePlanner(DefaultSavePlanner):
