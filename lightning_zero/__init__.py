@@ -3,7 +3,7 @@
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero.checkpoint import consolidate
+from lightning_zero.checkpoint import consolidate, convert
 from lightning_zero.core.memory import MemoryReport, StepPeak
 from lightning_zero.estimate import MemoryEstimate, estimate_memory
 from lightning_zero.fabric_precision import ZeroFabricPrecision
@@ -25,6 +25,7 @@ __all__ = [
     "ZeroStrategy",
     "__version__",
     "consolidate",
+    "convert",
     "estimate_memory",
     "load_from_checkpoint",
 ]

@@ -7,7 +7,8 @@ per-rank memory of its model states at every ZeRO stage::
         --init-args '{"n_layer": 8, "n_embd": 512, "n_head": 8}' --world-size 8
 
 ``lightning-zero consolidate DIR OUT`` writes a sharded checkpoint directory as one ordinary Lightning
-checkpoint file (see docs/checkpoints.md).
+checkpoint file, ``lightning-zero convert DIR OUT --to dcp`` as a ``torch.distributed.checkpoint`` directory that
+FSDP2 and Lightning's ModelParallelStrategy load (see docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", title="commands")
     _add_estimate_parser(commands)
     _add_consolidate_parser(commands)
+    _add_convert_parser(commands)
     return parser
 
 
@@ -55,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _estimate(args)
     elif args.command == "consolidate":
         return _consolidate(args)
+    elif args.command == "convert":
+        return _convert(args)
     return 0
 
 
@@ -87,11 +91,44 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- convert
+
+
+def _add_convert_parser(commands: argparse._SubParsersAction) -> None:
+    convert = commands.add_parser(
+        "convert",
+        help="write a sharded checkpoint directory in another format (dcp: torch.distributed.checkpoint)",
+        description=(
+            "Read a sharded checkpoint (state_dict_type='sharded') and write a torch.distributed.checkpoint "
+            "directory: 'model' and 'optim' keyed by parameter name as get_state_dict names them (FSDP2, plain "
+            "models), the same tensors under Lightning's 'state_dict' and 'optimizer_<n>' keys, and Lightning's "
+            "loop state in meta.pt (ModelParallelStrategy). Tensors are streamed one at a time."
+        ),
+    )
+    convert.add_argument("checkpoint_dir", type=Path, help="the sharded checkpoint directory")
+    convert.add_argument("out_dir", type=Path, help="the directory to write; must not exist or be empty")
+    convert.add_argument("--to", choices=["dcp"], default="dcp", help="the output format (default: dcp)")
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from lightning_zero.checkpoint import CheckpointError, convert
+
+    try:
+        convert(args.checkpoint_dir, args.out_dir, to=args.to, progress=_ProgressLine("convert"))
+    except (CheckpointError, ValueError) as error:  # a damaged checkpoint, an output inside it or not empty
+        print(f"lightning-zero convert: {error}", file=sys.stderr)
+        return 1
+    size = sum(f.stat().st_size for f in args.out_dir.iterdir() if f.is_file())
+    print(f"wrote {args.out_dir} ({size:,} bytes, {args.to})")
+    return 0
+
+
 class _ProgressLine:
     """Prints ``consolidate: 40% (1.2 of 3.0 GB)`` to stderr at every further 10% of a checkpoint over 100 MB."""
 
-    def __init__(self) -> None:
+    def __init__(self, command: str = "consolidate") -> None:
         self._shown = 0
+        self._command = command
 
     def __call__(self, written: int, total: int) -> None:
         if total < 100e6:
@@ -99,7 +136,7 @@ class _ProgressLine:
         percent = int(100 * written / total) // 10 * 10
         if percent > self._shown:
             self._shown = percent
-            print(f"consolidate: {percent}% ({written / 1e9:.1f} of {total / 1e9:.1f} GB)", file=sys.stderr)
+            print(f"{self._command}: {percent}% ({written / 1e9:.1f} of {total / 1e9:.1f} GB)", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- estimate

@@ -10,7 +10,7 @@ import torch
 from lightning.fabric.utilities.types import _MAP_LOCATION_TYPE, _PATH
 from lightning.pytorch.core.saving import _load_state
 
-from lightning_zero.checkpoint import ShardedCheckpoint
+from lightning_zero.checkpoint import open_checkpoint
 
 Module = TypeVar("Module", bound=pl.LightningModule)
 
@@ -23,7 +23,8 @@ def load_from_checkpoint(
     strict: bool = True,
     **kwargs: Any,
 ) -> Module:
-    """``cls.load_from_checkpoint(path)`` that also opens the sharded directories ZeroStrategy writes.
+    """``cls.load_from_checkpoint(path)`` that also opens the sharded directories ZeroStrategy writes and
+    ``torch.distributed.checkpoint`` directories (FSDP2, ``ModelParallelStrategy``; see docs/checkpoints.md).
 
     The module is built from the checkpoint's hyper-parameters (``self.save_hyperparameters()``), updated by
     ``kwargs``, and its weights are read from the shard files one tensor at a time (the fp32 masters of a 16-bit
@@ -35,7 +36,7 @@ def load_from_checkpoint(
 
     Args:
         cls: the LightningModule class the checkpoint was trained with.
-        path: a sharded checkpoint directory or an ordinary checkpoint file.
+        path: a sharded or DCP checkpoint directory, or an ordinary checkpoint file.
         map_location: where to put the weights (a device, or as ``torch.load`` takes it); default: the CPU.
         strict: whether the checkpoint's keys must match the module's exactly.
         kwargs: hyper-parameters that override the saved ones.
@@ -45,7 +46,7 @@ def load_from_checkpoint(
     """
     if not os.path.isdir(path):
         return cls.load_from_checkpoint(path, map_location=map_location, strict=strict, **kwargs)
-    sharded = ShardedCheckpoint(path)
+    sharded = open_checkpoint(path)
     checkpoint = sharded.lightning_state()
     checkpoint["state_dict"] = sharded.full_state_dict()
     sharded.release()

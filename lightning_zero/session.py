@@ -29,6 +29,7 @@ from lightning_zero.checkpoint import (
     ShardedCheckpoint,
     load_sharded_optimizers,
     load_sharded_params,
+    open_checkpoint,
     save_sharded,
 )
 from lightning_zero.checkpoint.background import BackgroundSaves
@@ -367,8 +368,9 @@ class ZeroSession:
         )
 
     def open_sharded(self, path: str | os.PathLike) -> dict[str, Any]:
-        """A sharded directory as a Lightning checkpoint dict whose tensors are read only when used."""
-        sharded = ShardedCheckpoint(path, comm=self.comm)  # the ranks share the checksums
+        """A sharded directory (lightning_zero's, or a DCP one) as a Lightning checkpoint dict whose tensors are read
+        only when used."""
+        sharded = open_checkpoint(path, comm=self.comm)  # the ranks share the checksums
         checkpoint = sharded.lightning_state()
         checkpoint["state_dict"] = sharded.lazy_state_dict()  # values read only if a hook uses them
         if sharded.metadata.get("optimizer_states", bool(sharded.metadata["optimizers"])):

@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import collectives, loss_weighting
-from lightning_zero.checkpoint import remove_sharded
+from lightning_zero.checkpoint import is_dcp_checkpoint, remove_sharded
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.options import OffloadTarget
 from lightning_zero.front_door import ZeroFrontDoor
@@ -291,6 +291,8 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         checkpoint = self.session.open_sharded(checkpoint_path)
         if FABRIC_KEYS in checkpoint:
             _resume_fabric_checkpoint(checkpoint, checkpoint_path)
+        elif is_dcp_checkpoint(checkpoint_path) and "loops" not in checkpoint:
+            _resume_dcp_without_loops(checkpoint, checkpoint_path)
         return checkpoint
 
     @override
@@ -354,4 +356,17 @@ def _resume_fabric_checkpoint(checkpoint: dict[str, Any], path: _PATH) -> None:
         f"'{path}' was written by fabric.save: the model and optimizer states are restored, but the Trainer's loops "
         f"(global_step, epoch), LR schedulers and callbacks start fresh, and its entries {unread} are not restored. "
         "Set max_steps for the steps still to run, or restore those entries in on_load_checkpoint."
+    )
+
+
+def _resume_dcp_without_loops(checkpoint: dict[str, Any], path: _PATH) -> None:
+    """A DCP directory without Lightning's ``meta.pt`` (``dcp.save`` of ``get_state_dict`` in a plain loop) holds the
+    model's and the optimizers' state only: the Trainer's loops, LR schedulers and callbacks start fresh, with a
+    warning."""
+    checkpoint.setdefault("pytorch-lightning_version", pl.__version__)
+    checkpoint.setdefault("lr_schedulers", [])
+    rank_zero_warn(
+        f"'{path}' is a torch.distributed.checkpoint directory without Lightning's meta.pt: the model and optimizer "
+        "states are restored, but the Trainer's loops (global_step, epoch), LR schedulers and callbacks start fresh. "
+        "Set max_steps for the steps still to run."
     )

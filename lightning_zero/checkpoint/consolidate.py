@@ -97,7 +97,7 @@ def consolidate(
         )
     checkpoint = ShardedCheckpoint(sharded_dir)
     checkpoint.release()
-    _check_outside(out_file, {Path(sharded_dir), checkpoint.path})
+    check_outside(out_file, {Path(sharded_dir), checkpoint.path})
     storages: list[_LazyStorage] = []
     output = {**checkpoint.lightning_state()}
     output["state_dict"] = _state_dict(checkpoint, storages)
@@ -152,10 +152,10 @@ def full_checkpoint(checkpoint: ShardedCheckpoint) -> dict[str, Any]:
     return output
 
 
-def _check_outside(out_file: str | os.PathLike, sources: set[Path]) -> None:
-    """Refuse an output inside the checkpoint: its temporary file and rename would land among the shards (and
-    replace one of the same name). Both where the name points (symlinks followed) and where the rename happens
-    (its directory resolved) are checked, against the directory as given and as opened."""
+def check_outside(out_file: str | os.PathLike, sources: set[Path], suffix: str = ".ckpt") -> None:
+    """Refuse an output (file or directory) inside the checkpoint: its temporary name and rename would land among
+    the shards (and replace one of the same name). Both where the name points (symlinks followed) and where the
+    rename happens (its directory resolved) are checked, against the directory as given and as opened."""
     out = Path(out_file)
     landing = {out.resolve(), out.parent.resolve() / out.name}
     for source in sorted({path.resolve() for path in sources}):
@@ -163,8 +163,8 @@ def _check_outside(out_file: str | os.PathLike, sources: set[Path]) -> None:
         if inside:
             raise ValueError(
                 f"the output '{out_file}' is inside the sharded checkpoint '{source}' it reads; writing "
-                "it there could replace a shard and would damage the checkpoint. Write the consolidated file outside "
-                f"that directory, e.g. '{source.parent / (source.name + '.ckpt')}'."
+                "it there could replace a shard and would damage the checkpoint. Write the output outside "
+                f"that directory, e.g. '{source.parent / (source.name + suffix)}'."
             )
 
 

@@ -139,16 +139,22 @@ def check_same_model(
 ) -> list[str]:
     """The names of ``current`` to load from the checkpoint. Raise unless the tensors in both have the same shapes
     and dtypes (floating-point dtypes may differ: a run resumed in another precision casts on load), and, with
-    ``strict``, unless both hold the same names; name the first difference. Without ``strict`` (as
+    ``strict``, unless both hold the same names; name the missing and unexpected ones. Without ``strict`` (as
     ``load_state_dict(strict=False)``) a tensor only one of them has is skipped."""
     saved = metadata["tensors"]
     fix = "Load it into the model that saved it, or build this model with the same architecture."
     skip = "strict=False (a LightningModule's strict_loading = False) skips the tensors only one of them has."
+    missing = [name for name in current if name not in saved]
+    extra = [name for name in saved if name not in current]
+    if strict and (missing or extra):
+        first = f"it has no tensor {missing[0]!r}" if missing else f"this model has no tensor {extra[0]!r}"
+        raise CheckpointError(
+            f"{where} is of a different model: {first}. Missing keys (in this model, not in the checkpoint): "
+            f"{_few(missing)}; unexpected keys (in the checkpoint, not in this model): {_few(extra)}. {fix} {skip}"
+        )
     for name, spec in current.items():
         if name not in saved:
-            if not strict:
-                continue
-            raise CheckpointError(f"{where} is of a different model: it has no tensor {name!r}. {fix} {skip}")
+            continue
         for field in ("shape", "dtype"):
             theirs, mine = saved[name][field], spec[field]
             if field == "dtype" and _is_floating(theirs) and _is_floating(mine):
@@ -157,10 +163,12 @@ def check_same_model(
                 raise CheckpointError(
                     f"{where} is of a different model: tensor {name!r} has {field} {theirs} there, {mine} here. {fix}"
                 )
-    extra = [name for name in saved if name not in current]
-    if extra and strict:
-        raise CheckpointError(f"{where} is of a different model: this model has no tensor {extra[0]!r}. {fix} {skip}")
     return [name for name in current if name in saved]
+
+
+def _few(names: list[str], shown: int = 10) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"[{', '.join(repr(name) for name in names[:shown])}]{more}"
 
 
 def _is_floating(dtype: str) -> bool:
