@@ -354,7 +354,7 @@ def markdown(args: argparse.Namespace, summary: dict[str, dict[str, Any]], numel
         "median over rounds; `- X`: peak over model states minus X's, same precision.",
     ]
     for variant, table in summary.items():
-        malloc = " ".join(f"{k}={v}" for k, v in RSS_VARIANTS[variant].items()) or "as it is"
+        malloc = " ".join(f"{k}={v}" for k, v in RSS_VARIANTS[variant].items()) or "the environment unchanged"
         lines += [
             "",
             f"malloc {variant} ({malloc}):",
