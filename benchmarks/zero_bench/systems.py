@@ -33,11 +33,17 @@ def make_model(cfg: GPTConfig, seed: int) -> GPT:
     return GPT(cfg)
 
 
-def make_adamw(model: nn.Module, lr: float) -> torch.optim.AdamW:
-    """AdamW as in examples/gpt.py: weight decay on matrices only."""
+def make_adamw(model: nn.Module, lr: float, matrices: set[int] | None = None) -> torch.optim.AdamW:
+    """AdamW as in examples/gpt.py: weight decay on matrices only.
+
+    ``matrices``: the ``id``s of the matrices, read before a wrapper flattened them (Lightning's FSDP with
+    ``use_orig_params=True`` keeps the parameters, as 1-D views of its shards); ``None``: ``p.dim() >= 2`` now.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    if matrices is None:
+        matrices = {id(p) for p in params if p.dim() >= 2}
+    decay = [p for p in params if id(p) in matrices]
+    no_decay = [p for p in params if id(p) not in matrices]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     fused = True if os.environ.get(FUSED_ENV) == "1" else None  # --adamw-fused (offload picks it itself otherwise)
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=fused)

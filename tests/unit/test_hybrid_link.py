@@ -3,26 +3,18 @@ itself needs root and network namespaces and takes minutes: by hand only)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.unit.bench_scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def hybrid_link() -> Iterator[ModuleType]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(BENCHMARKS))  # the script imports zero_bench as a top-level package
-        spec = importlib.util.spec_from_file_location("hybrid_link", BENCHMARKS / "hybrid_link.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    with benchmark_script("hybrid_link") as module:
         yield module
 
 
