@@ -231,6 +231,7 @@ COLUMNS = (
     ("peak_gib", "peak GiB"),
     ("states_gib", "states GiB"),
     ("formula_gib", "formula GiB"),
+    ("step_peak", "ZeRO step peak MiB: units + buckets + temporaries"),
     ("max_rel_diff", "max rel diff"),
     ("notes", "notes"),
 )
@@ -654,6 +655,9 @@ def measured_row(run: Run, system: System, cfg: Any, trained: dict[str, Any], wo
             "warnings": system.warnings,
         },
     }
+    if "peak" in states:  # ZeRO: its ledger's parts of the last step's peak (memory_report().step_peak)
+        parts = [states[f"peak_{kind}"] / 2**20 for kind in ("gathered", "buckets", "temporaries")]
+        row["step_peak"] = " + ".join(f"{part:.2f}" for part in parts)
     if not all(map(math.isfinite, trained["losses"])):
         row["status"] = f"FAIL: non-finite loss {trained['losses']}"
     return row

@@ -165,6 +165,9 @@ def test_dry_run_of_the_in_process_checks_and_the_trainer_subprocess(tmp_path: P
         assert rows[f"zero{stage}_fp32"]["states_gib"] == pytest.approx(
             rows[f"zero{stage}_fp32"]["formula_gib"], rel=1e-3
         )
+    gathered, buckets, temporaries = map(float, rows["zero3_fp32"]["step_peak"].split(" + "))
+    assert gathered > 0  # stage 3's step peak holds gathered units (memory_report().step_peak)
+    assert "step_peak" not in rows["ddp_fp32"]
     offloaded = [row for name, row in rows.items() if " opt " in name or "params+opt" in name]
     assert len(offloaded) == 4
     assert all(row["details"]["vs_no_offload"] for row in offloaded)
