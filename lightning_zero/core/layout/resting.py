@@ -16,6 +16,16 @@ two different parameters with ``torch.equal`` while one rests is answered from w
 values: tensors of different shapes are unequal, a tensor equals itself, and two different parameters are
 taken as unequal (the only question callers such as Lightning's ``BaseFinetuning`` ask is whether a
 parameter is already in an optimizer). The engine's own accesses run inside :func:`engine_access`.
+
+[Note: compiled forwards of resting parameters]
+``torch.compile`` traces ``__torch_function__`` of a tensor subclass into the graph. The check above asks the
+storage's size, which dynamo cannot trace: every operation on a parameter broke the graph, so a compiled block ran
+its layers eagerly between tiny graphs. While dynamo traces, ``__torch_function__`` is therefore the plain
+operation: a compiled forward runs inside its unit's hooks, which gather the parameters first (``UnitHook`` runs
+outside any graph, ``torch.compiler.disable``, so a module compiled together with its hooks calls them as they are).
+Where dynamo falls back to running a frame eagerly (a graph break inside a loop over the blocks), it would compile
+every ``__torch_function__`` frame called from there as a graph of its own, without the check and recompiling for
+each operation: that frame is never compiled (``skip_code``), while calls from traced code are still inlined.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch._dynamo.eval_frame
 from torch import Tensor, nn
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils.hooks import RemovableHandle
@@ -93,6 +104,9 @@ class RestingParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # inlined into a compiled graph: see the note above
+            with DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         if func not in _METADATA and not getattr(_ACCESS, "depth", 0):
             resting = next((a for a in _tensor_args(args, kwargs) if _is_resting(a)), None)
             if resting is not None:
@@ -128,6 +142,10 @@ class RestingParameter(nn.Parameter):
             raise _resting_error(self, "pickling (torch.save)")
         with DisableTorchFunctionSubclass():
             return torch._utils._rebuild_parameter, (self.data.clone(), self.requires_grad, {})
+
+
+# Run eagerly when called from eager code, inlined when called from traced code (see the note above).
+torch._dynamo.eval_frame.skip_code(RestingParameter.__torch_function__.__func__.__code__)
 
 
 def clone_gathered_in_state_dicts(module: nn.Module) -> list[RemovableHandle]:

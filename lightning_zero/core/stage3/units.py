@@ -275,11 +275,13 @@ class GatherUnit:
 
 class UnitHook:
     """A module hook that ``copy.deepcopy`` and pickling turn into a no-op: a copy of a gathered module is a plain
-    module (see [Note: stage-3 parameters at rest]), not a second handle on this engine's units."""
+    module (see [Note: stage-3 parameters at rest]), not a second handle on this engine's units. Dynamo never traces
+    it: a compiled call of the module runs it eagerly (see [Note: compiled forwards of resting parameters])."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
 
+    @torch.compiler.disable  # see [Note: compiled forwards of resting parameters]
     def __call__(self, *args: Any) -> Any:
         return self.fn(*args)
 
