@@ -24,14 +24,18 @@ Checks, in this order (``--checks`` names):
    parameters after the run against DDP's: the largest over tensors of max|a - b| / max|b| (fp32 at world size 1:
    expect 0). bf16-mixed ZeRO (bf16 parameters, fp32 masters) is not the maths of DDP under autocast (fp32
    parameters), so those rows also give the difference from ``zero1_bf16``, the same maths (expect 0).
-3. ``lightning``: ``Trainer(accelerator="gpu", devices=1, strategy=ZeroStrategy(stage=3), precision="bf16-mixed",
+3. ``compile``: DDP, stage 3 (fp32) and stage 3 (bf16-mixed) with every GPT block compiled (``block.compile()``,
+   inductor, as docs/compile.md recommends), on the batches of ``systems``: step time against the same system's
+   eager row, parameters against DDP compiled the same way, and dynamo's graph count after the run and after one more
+   step (equal: nothing recompiled after the first steps).
+4. ``lightning``: ``Trainer(accelerator="gpu", devices=1, strategy=ZeroStrategy(stage=3), precision="bf16-mixed",
    gradient_clip_val=1)`` fits a few steps of examples/gpt.py's module in a subprocess (Lightning creates the NCCL
    group with its ``device_id``; stage 3 builds the model on the meta device and creates it unit by unit on the
    GPU), then times ``trainer.strategy.barrier()`` (``device_ids=[0]`` on NCCL).
-4. ``lost_rank``: with two NCCL ranks (only where ``two_ranks`` worked) one stops (SIGSTOP) mid-training; the other
+5. ``lost_rank``: with two NCCL ranks (only where ``two_ranks`` worked) one stops (SIGSTOP) mid-training; the other
    must raise ``RankTimeoutError`` within about the group's ``--timeout-s``: with NCCL's defaults and with
    ``TORCH_NCCL_BLOCKING_WAIT=1``. Otherwise skipped: not possible on one GPU, with the reason measured in 1.
-5. ``offload``: bf16-mixed on a GPT of about ``--offload-params`` parameters (the swap file takes 12 bytes a
+6. ``offload``: bf16-mixed on a GPT of about ``--offload-params`` parameters (the swap file takes 12 bytes a
    parameter): stages 2 and 3 without offload, then ``offload_optimizer="cpu"`` and ``"nvme"`` (stage 2) and
    ``offload_params="cpu"`` / ``"nvme"`` (stage 3, the optimizer in the same place). Per mode: step time, ratio to
    no offload, the parameters against no offload's, whether the host buffers are pinned (``is_pinned()`` of the
@@ -79,7 +83,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-CHECKS = ("two_ranks", "systems", "lightning", "lost_rank", "offload")
+CHECKS = ("two_ranks", "systems", "compile", "lightning", "lost_rank", "offload")
 CORPUS = REPO / "examples" / "data" / "tiny_corpus.txt"
 GIB = 2**30
 NO_CUDA = (
@@ -99,6 +103,7 @@ DEFAULTS = {
     "offload_steps": (3, 1),
     "lightning_steps": (5, 3),
     "timeout_s": (10.0, 4.0),
+    "compile_backend": ("inductor", "aot_eager"),  # inductor's C++ build on a CPU takes minutes
 }
 
 
@@ -118,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--offload-steps", type=int, help="timed steps an offload mode (3; dry run 1)")
     parser.add_argument("--lightning-steps", type=int, help="Trainer steps of the Lightning check (5; dry run 3)")
     parser.add_argument("--timeout-s", type=float, help="collective timeout of the lost-rank check (10; dry run 4)")
+    parser.add_argument("--compile-backend", help="backend of the compile check (inductor; dry run aot_eager)")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nvme-path", help="directory of the swap files (default: a new temporary directory)")
@@ -316,11 +322,12 @@ class Spec:
     bf16: bool = False
     offload_optimizer: str | bool = False
     offload_params: str | bool = False
+    compiled: bool = False  # each GPT block torch.compile'd (inductor) before the system wraps the model
 
     @property
     def name(self) -> str:
         base = f"zero{self.stage}" if self.kind == "zero" else self.kind
-        name = f"{base}_{'bf16' if self.bf16 else 'fp32'}"
+        name = f"{base}_{'bf16' if self.bf16 else 'fp32'}" + (" compiled" if self.compiled else "")
         if self.offload_params:
             return f"{name} params+opt {self.offload_params}"
         return f"{name} opt {self.offload_optimizer}" if self.offload_optimizer else name
@@ -415,6 +422,9 @@ def engine_step(
 
 def build_system(spec: Spec, cfg: Any, args: argparse.Namespace, device: torch.device) -> System:
     model = make_model(cfg, args.seed, device)
+    if spec.compiled:  # as docs/compile.md recommends: per block, before the strategy shards the model
+        for block in model.blocks:
+            block.compile(backend=args.compile_backend)
     if spec.kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -715,6 +725,59 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         for kind, key in (("ddp", "vs_ddp"), ("fsdp2", "vs_fsdp2")):
             if by_kind.get(kind):
                 row[key] = row["step_ms"] / by_kind[kind]
+
+
+# ----------------------------------------------------------------------------- check: compile
+
+COMPILE_SPECS = (Spec("ddp", compiled=True), Spec("zero", 3, compiled=True), Spec("zero", 3, True, compiled=True))
+
+
+def check_compile(run: Run) -> None:
+    """Stage 3 with every block compiled (inductor) against DDP compiled the same way and against its own eager row
+    of ``systems``; the graphs dynamo made, and that one more step compiles nothing."""
+    args = run.args
+    cfg = gpt_config(args.params, args.block_size)
+    batches = make_batches(args, cfg, args.warmup + args.steps, 0, run.device)
+    refs: dict[str, dict[str, Tensor]] = {}
+    for spec in COMPILE_SPECS:
+        run.check(spec.name, _compile_check(run, spec, cfg, batches, refs))
+
+
+def _compile_check(run: Run, spec: Spec, cfg: Any, batches: list, refs: dict) -> Callable[[], dict[str, Any]]:
+    def check() -> dict[str, Any]:
+        import torch._dynamo
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+
+        def one_more_step(system: System, row: dict[str, Any]) -> None:
+            graphs = counters["stats"]["unique_graphs"]
+            system.step(*batches[0])
+            row["details"]["graphs"] = graphs
+            row["details"]["graphs_after_one_more_step"] = counters["stats"]["unique_graphs"]
+
+        measured = measure(run, spec, cfg, batches, inspect=one_more_step)
+        row, state = measured.row, measured.state
+        details = row["details"]
+        notes = [f"{details.get('graphs')} graphs, {details.get('graphs_after_one_more_step')} after one more step"]
+        if details.get("graphs") != details.get("graphs_after_one_more_step"):
+            row["status"] = "FAIL: a step after the first ones compiled again"
+        eager = next((r for r in run.rows if r["check"] == spec.name.removesuffix(" compiled")), None)
+        if eager is not None and eager.get("step_ms") and row.get("step_ms"):
+            row["vs_eager"] = row["step_ms"] / eager["step_ms"]
+            notes.append(f"{row['vs_eager']:.3f}x its eager step")
+        ddp = "ddp_fp32 compiled"
+        if spec.kind == "ddp" and state is not None:
+            refs[ddp] = state
+        elif ddp in refs and state is not None and not spec.bf16:
+            gap = parameter_gap(state, refs[ddp])
+            row["max_rel_diff"], details["vs_ddp"] = gap["max_rel_diff"], gap
+            notes.append(gap_text(gap, ddp))
+        row["notes"] = "; ".join(notes)
+        return row
+
+    return check
 
 
 # ----------------------------------------------------------------------------- check: offload
@@ -1268,6 +1331,10 @@ def run_checks(run: Run, folder: str) -> None:
         run.check("systems", dict, skip=no_group)
     elif "systems" in checks:
         check_systems(run)
+    if "compile" in checks and no_group:
+        run.check("compile", dict, skip=no_group)
+    elif "compile" in checks:
+        check_compile(run)
     if "lightning" in checks:
         run.check("lightning fit + barrier", lambda: check_lightning(run))
     if "lost_rank" in checks:

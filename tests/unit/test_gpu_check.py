@@ -146,12 +146,13 @@ def test_a_failing_check_is_a_row_with_its_traceback_and_the_run_goes_on(
 
 
 def test_dry_run_of_the_in_process_checks_and_the_trainer_subprocess(tmp_path: Path) -> None:
-    """The same code as on a GPU: the systems against DDP, the Trainer in a subprocess, every offload mode. The
+    """The same code as on a GPU: the systems against DDP, compiled blocks (aot_eager here), the Trainer in a
+    subprocess, every offload mode. The
     two-rank checks spawn two more interpreters each (about 15 s of CPU on top): `--dry-run` without `--checks`
     runs them too, by hand."""
     out = tmp_path / "dry.json"
     sizes = ["--params", "5e5", "--offload-params", "5e5"]
-    checks = "systems,lightning,offload"
+    checks = "systems,compile,lightning,offload"
     result = _run_script("--dry-run", *sizes, "--checks", checks, "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:]
     report = json.loads(out.read_text())
@@ -165,9 +166,12 @@ def test_dry_run_of_the_in_process_checks_and_the_trainer_subprocess(tmp_path: P
         assert rows[f"zero{stage}_fp32"]["states_gib"] == pytest.approx(
             rows[f"zero{stage}_fp32"]["formula_gib"], rel=1e-3
         )
-    gathered, buckets, temporaries = map(float, rows["zero3_fp32"]["step_peak"].split(" + "))
+    gathered = float(rows["zero3_fp32"]["step_peak"].split(" + ")[0])
     assert gathered > 0  # stage 3's step peak holds gathered units (memory_report().step_peak)
     assert "step_peak" not in rows["ddp_fp32"]
+    for name in ("ddp_fp32 compiled", "zero3_fp32 compiled", "zero3_bf16 compiled"):  # nothing compiled again
+        assert rows[name]["details"]["graphs_after_one_more_step"] == rows[name]["details"]["graphs"] >= 1
+    assert rows["zero3_fp32 compiled"]["details"]["vs_ddp"]["bitwise_equal"]  # == DDP compiled the same way
     offloaded = [row for name, row in rows.items() if " opt " in name or "params+opt" in name]
     assert len(offloaded) == 4
     assert all(row["details"]["vs_no_offload"] for row in offloaded)
