@@ -1,8 +1,9 @@
 """Gradient buckets: collect gradients in backward and reduce-scatter each bucket as soon as it is complete.
 
 [Note: bucket order]
-Buckets are reduced in a fixed order (their index, roughly reverse registration order, which is
-roughly backward order), whatever order their gradients arrive in: bucket ``i`` is launched only
+Buckets are reduced in a fixed order (their index: at stages 1 and 2 by their earliest registered parameter,
+whose gradient roughly comes last, as backward roughly runs in reverse registration order; at stage 3 by
+unit), whatever order their gradients arrive in: bucket ``i`` is launched only
 after buckets ``0..i-1``. Ranks whose graphs differ (a parameter unused on one rank) therefore still
 issue the same collectives in the same order. At the end of every reducing backward every bucket is
 launched, complete or not (missing gradients count as zero), as DDP does, followed by one small

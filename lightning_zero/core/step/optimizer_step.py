@@ -371,9 +371,13 @@ class OptimizerStep:
         storages = {
             id(g.untyped_storage()): g.untyped_storage().nbytes()
             for g, e in zip(self._step_grads, self.entries, strict=False)
-            if g is not None and g.untyped_storage().data_ptr() != e.bucket.shard_grad.untyped_storage().data_ptr()
+            if g is not None and not _same_storage(g, e.bucket.held(e.slot))
         }
         return sum(storages.values())
+
+
+def _same_storage(a: Tensor, b: Tensor | None) -> bool:
+    return b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 class ModuleGradShards:
