@@ -11,7 +11,8 @@ read ``VmRSS`` at events: each block's forward start and end, its backward start
 arrives) and end (the gradient of its input), the loss, the end of backward, of ``prepare_step`` and of the
 optimizer step; ``VmHWM`` is reset at every event, so each event also reports the peak since the one before.
 Printed (rank 0, MiB over the RSS before the system was built, as bench_zero's RSS runs): the peak over all
-steps, the event that ended the interval holding it, and the peak of building the system.
+steps, the event that ended the interval holding it, the peak of building the system, and the RSS at the start of
+the last step and after it; with ``--trace`` every event of the last step as ``event=rss/peak``.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def trace_rank(rank: int, world_size: int, args: argparse.Namespace, name: str) 
     recorder = [build]
     _hook_blocks(system.model, recorder)
     engine = getattr(system, "engine", None)
-    if engine is not None:  # split the step of ZeroSystem: prepare_step and the optimizer step apart
+    if engine is not None:  # mark the end of backward and of prepare_step (the optimizer step calls it again)
         original_prepare = engine.step_of(system.optimizer).prepare
 
         def prepare(*args: Any, **kwargs: Any) -> bool:
@@ -105,10 +106,7 @@ def trace_rank(rank: int, world_size: int, args: argparse.Namespace, name: str) 
         system.step(x, y)
         recorder[0].mark("step_end")
         steps.append(recorder[0].events)
-    import resource
-
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
-    return {"build": build.events, "steps": steps, "maxrss": maxrss}
+    return {"build": build.events, "steps": steps, "end": _status_mib("VmRSS") - base}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -129,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         last = result["steps"][-1]
         print(
             f"{name}: peak {max(peak, build_peak):.1f} MiB (step {step + 1}, before {where}); build {build_peak:.1f};"
-            f" last step starts at {last[0][1]:.1f}; ru_maxrss {result['maxrss']:.1f}"
+            f" last step starts at {last[0][1]:.1f}, ends at {result['end']:.1f}"
         )
         if options.trace:
             print("  " + " ".join(f"{event}={rss:.0f}/{peak:.0f}" for event, rss, peak in last))
