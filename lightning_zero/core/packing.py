@@ -114,7 +114,10 @@ class Packer:
             for same in split_by_dtype(sorted(params, key=order.__getitem__), self.keep_dtype):
                 cap = max(1, self.bucket_cap_bytes // same[0].element_size())
                 planned.extend([same[i] for i in indices] for indices in plan_buckets([p.numel() for p in same], cap))
-        planned.sort(key=lambda members: order[members[0]])
+        # Launch order: by the member whose gradient comes last (the earliest registered). Sorting by the first member
+        # put a bucket of every block's biases and norms (a param group without weight decay) first, and as buckets
+        # launch in order, no reduction started before the end of backward and every staging buffer lived till then.
+        planned.sort(key=lambda members: max(order[p] for p in members))
         packed: list[BufferGroup] = []
         for members in planned:
             buffer = ReplicatedBuffer(members, self.shard.rank, self.shard.world_size, owners=self._owners(members))

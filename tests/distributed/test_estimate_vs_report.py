@@ -84,9 +84,10 @@ def _measure(
         engine.finish_backward()
     engine.step_of(optimizer).prepare()
     optimizer.step()
-    optimizer.zero_grad()
-    report = engine.memory_report().as_dict()
+    report = engine.memory_report().as_dict()  # the gradients stay until zero_grad, as torch's
     report["step_bytes"] = sum(tensor_nbytes(state.get("step")) for state in optimizer.state.values())
+    optimizer.zero_grad()
+    report["gradients_after_zero_grad"] = engine.memory_report().gradients  # freed, not kept zeroed
     engine.release()
     return report
 
@@ -139,6 +140,7 @@ def test_estimate_equals_the_measured_report(
         differ = {field: (report[field], expected[field]) for field in FIELDS if report[field] != expected[field]}
         assert all(got <= want for got, want in differ.values()), f"rank {rank}: (measured, estimate) {differ}"
         differences.append(differ)
+        assert report["gradients_after_zero_grad"] == 0, f"rank {rank}: zero_grad() left gradient buffers allocated"
     if case[3] == "parameter":  # the estimate is the most loaded owner's: that rank matches, the other holds less
         assert {} in differences, f"no rank holds the estimate: (measured, estimate) per rank {differences}"
     else:

@@ -206,7 +206,7 @@ class Stage3Scheduler:
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
                 if tensors:
-                    self._grad_hook(tensors, lambda: self._need(unit), mode="any")
+                    self._need_hook(tensors, lambda: self._need(unit))
                     if not recomputing and not unit.is_root:
                         self._recorded.append(unit)
                         self._hook_inputs(unit, args)
@@ -239,6 +239,30 @@ class Stage3Scheduler:
 
         handles.append(register_multi_grad_hook(tensors, fire, mode=mode))
         self._grad_hooks[id(handles[0])] = handles[0]
+
+    def _need_hook(self, tensors: list[Tensor], fn: Callable[[], None]) -> None:
+        """Call ``fn`` once per backward pass, when the first of ``tensors``' gradients arrives, but after the other
+        hooks on those gradients: the next unit's inputs are this unit's outputs, and the hook that frees it (see
+        :meth:`_hook_inputs`) fires on the same gradients. Autograd runs a node's pre-hooks after the hooks of the
+        tensors it made, so as one, ``fn`` gathers this unit only once the next one is freed (as a tensor hook, it
+        ran first: both units were gathered at once, with the full-size gradient of the freed one)."""
+        if any(t.grad_fn is None for t in tensors):
+            self._grad_hook(tensors, fn, mode="any")  # a leaf has no node to hook
+            return
+        nodes = list({id(t.grad_fn): t.grad_fn for t in tensors}.values())
+        handles: list[Any] = []
+        fired: set[int] = set()  # graph tasks in which fn ran
+
+        def fire(grad_outputs: Any) -> None:
+            task = torch._C._current_graph_task_id()
+            if task not in fired:
+                fired.add(task)
+                fn()
+                self._spent_hooks.extend(handles)
+
+        handles.extend(node.register_prehook(fire) for node in nodes)
+        for handle in handles:
+            self._grad_hooks[id(handle)] = handle
 
     def _remove_grad_hooks(self, spent_only: bool) -> None:
         for handle in self._spent_hooks if spent_only else list(self._grad_hooks.values()):

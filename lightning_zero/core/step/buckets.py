@@ -1,8 +1,9 @@
 """Gradient buckets: collect gradients in backward and reduce-scatter each bucket as soon as it is complete.
 
 [Note: bucket order]
-Buckets are reduced in a fixed order (their index, roughly reverse registration order, which is
-roughly backward order), whatever order their gradients arrive in: bucket ``i`` is launched only
+Buckets are reduced in a fixed order (their index: at stages 1 and 2 by their earliest registered parameter,
+whose gradient roughly comes last, as backward roughly runs in reverse registration order; at stage 3 by
+unit), whatever order their gradients arrive in: bucket ``i`` is launched only
 after buckets ``0..i-1``. Ranks whose graphs differ (a parameter unused on one rank) therefore still
 issue the same collectives in the same order. At the end of every reducing backward every bucket is
 launched, complete or not (missing gradients count as zero), as DDP does, followed by one small
@@ -231,10 +232,10 @@ class GradBucket(ABC):
 
 # Bucket reductions allowed in flight while backward runs. A launched bucket keeps its full-size staging buffer
 # until it is waited for, so each one allowed in flight costs a unit's gradient in the reduce dtype on top of
-# backward's activations. One suffices to overlap: bucket i's
-# reduction runs during the backward of the unit after it, and is waited for only when that unit's bucket
-# launches. (torch's gloo reduce-scatter never reports is_completed(), so completed reductions cannot be reaped
-# earlier by polling.)
+# backward's activations. One suffices to overlap: bucket i's reduction runs while backward computes towards the
+# next bucket's first gradient, and is waited for then, before that bucket makes its staging buffer (at the
+# latest when a later bucket launches). (torch's gloo reduce-scatter never reports is_completed(), so completed
+# reductions cannot be reaped earlier by polling.)
 _IN_FLIGHT = 1
 
 
@@ -324,6 +325,10 @@ class GradReducer:
         self.on_backward_event()
         assert param.grad is not None
         bucket = self.buckets[bucket_index]
+        if bucket.state is BucketState.IDLE and self.reducing and self.overlap_comm and self._next_launch:
+            # Its staging buffer is about to be made: the reduction in flight gives its own back first, so one
+            # staging buffer lives at a time, not two (see _IN_FLIGHT).
+            self.buckets[self._next_launch - 1].wait()
         bucket.add_grad(slot, param.grad)
         param.grad = None
         if bucket.ready and self.on_bucket_ready is not None:

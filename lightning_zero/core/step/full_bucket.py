@@ -1,9 +1,11 @@
 """Stage 1: full local gradients on every rank; each rank reduces into, and updates, only its shard.
 
 A rank keeps a full-size gradient buffer (4Ψ bytes in fp32), so gradient accumulation needs no
-communication until the last micro-batch. The reduce-scatter writes the averaged shard in place into
-the rank's own segment of that buffer, so there is no separate shard copy: 4Ψ + 4Ψ + 8Ψ/N bytes for
-fp32 Adam. After the optimizer updated the shard, the engine all-gathers the parameters.
+communication until the last micro-batch. It is made by a step's first gradient and dropped by a ``zero_grad``
+that empties every gradient in it, so the forward that follows does not hold it (DDP keeps its buckets). The
+reduce-scatter writes the averaged shard in place into the rank's own segment of that buffer, so there is no
+separate shard copy: 4Ψ + 4Ψ + 8Ψ/N bytes for fp32 Adam. After the optimizer updated the shard, the engine
+all-gathers the parameters.
 """
 
 from __future__ import annotations
@@ -16,14 +18,13 @@ from torch import Tensor
 
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
 from lightning_zero.core.peak import Tracked
-from lightning_zero.core.step.buckets import GradBucket
+from lightning_zero.core.step.buckets import BucketState, GradBucket
 from lightning_zero.core.step.reduction import GradientReduction
 
 
 class FullGradBucket(GradBucket):
     """A bucket whose full local gradient persists between backward passes."""
 
-    full_grad: Tensor  # 1D, layout.padded_numel: local sums; after a reduction, own segment = average
     # Transient (see [Note: step peak ledger]): the bucket in a wider reduce_dtype and the reduction's output while
     # it runs; live reduced gradients kept across an accumulation.
     _staging: Tracked[Tensor | None] = Tracked("buckets")
@@ -34,15 +35,25 @@ class FullGradBucket(GradBucket):
         self, buffer: FlatParamBuffer, reduction: GradientReduction, reduce_dtype: torch.dtype | None = None
     ) -> None:
         super().__init__(buffer, reduction, reduce_dtype)
-        self.full_grad = torch.zeros_like(buffer.data)
+        self._full: Tensor | None = None  # made by the first gradient; dropped by a zero_grad that empties it all
         self._staging = None  # the bucket in reduce_dtype while a reduction in a wider dtype runs
         self._carry = None  # live reduced gradients kept across an accumulation (own segment)
         self._output = None
-        lo, hi = buffer.bounds
-        self.shard_grad = self.full_grad[lo:hi]
         self._reduced = False  # own segment holds an averaged result, the rest was sent away
         self._live_at_restart = [False] * len(buffer.params)  # live when accumulation restarted
         self._pass_continues_window = False  # the current pass adds to local sums of earlier passes
+
+    @property
+    def full_grad(self) -> Tensor:
+        """1D, layout.padded_numel: local sums; after a reduction, the own segment holds the average."""
+        if self._full is None:
+            self._full = torch.zeros_like(self.buffer.data)
+        return self._full
+
+    @property
+    def shard_grad(self) -> Tensor:  # type: ignore[override]
+        lo, hi = self.buffer.bounds
+        return self.full_grad[lo:hi]
 
     def clear(self, slots: Sequence[int], set_to_none: bool) -> None:
         super().clear(slots, set_to_none)
@@ -51,9 +62,22 @@ class FullGradBucket(GradBucket):
                 self._live_at_restart[slot] = False
             if self._carry is not None:  # gradients set aside at the restart are cleared too
                 self.buffer.owned(self._carry, slot).zero_()
-            if not self._reduced:  # and the local sums of an accumulation (no_sync) not yet reduced
-                self._slot_view(self.full_grad, slot).zero_()
+            if not self._reduced and self._full is not None:  # and the local sums of an accumulation (no_sync)
+                self._slot_view(self._full, slot).zero_()
                 self.locally_used[slot] = False
+        if self._holds_nothing:
+            self._full = None  # as DDP's gradients after zero_grad(set_to_none=True), minus the bucket DDP keeps
+
+    @property
+    def _holds_nothing(self) -> bool:
+        """No live gradient, no local sums, nothing set aside, no reduction running: the buffer can go."""
+        return (
+            self._reduced
+            and self._carry is None
+            and self.state is BucketState.IDLE
+            and not any(self.live)
+            and not any(self._live_at_restart)
+        )
 
     def _begin_filling(self) -> None:
         self._pass_continues_window = any(self.locally_used)
@@ -72,7 +96,8 @@ class FullGradBucket(GradBucket):
             for slot, live in enumerate(self.live):
                 if not live:
                     self.buffer.owned(self._carry, slot).zero_()
-        self.full_grad.zero_()
+        if self._full is not None:
+            self._full.zero_()
         self._reduced = False
 
     def _accumulate(self, slot: int, grad: Tensor) -> None:
@@ -99,6 +124,13 @@ class FullGradBucket(GradBucket):
     def _reduction_result(self) -> Tensor:
         return self._output if self._output is not None else self.shard_grad
 
+    def _settle_reduced(self) -> None:
+        """A reduction in a wider dtype is rounded into the own segment as soon as it completes: one wide result per
+        bucket would otherwise wait for the end of backward."""
+        if self._output is not None:
+            self.shard_grad.copy_(self._output)
+            self._output = None
+
     def _fold_reduction(self, globally_used: Sequence[bool]) -> None:
         # The reduction wrote the own segment (in place, or in reduce_dtype to round into it now); live gradients
         # were set aside beforehand.
@@ -120,7 +152,8 @@ class FullGradBucket(GradBucket):
                 "earlier micro-batches of this optimizer step are dropped with it (stage 1 sums them in one buffer).",
                 stacklevel=3,
             )
-        self.full_grad.zero_()
+        if self._full is not None:
+            self._full.zero_()
         if self._carry is not None:
             self.shard_grad.copy_(self._carry)
         self._staging = self._output = self._carry = None
@@ -130,5 +163,5 @@ class FullGradBucket(GradBucket):
 
     @property
     def nbytes(self) -> int:
-        held = [t for t in (self.full_grad, self._staging, self._output, self._carry) if t is not None]
+        held = [t for t in (self._full, self._staging, self._output, self._carry) if t is not None]
         return sum(t.numel() * t.element_size() for t in held)

@@ -73,7 +73,7 @@ def _wide_nbytes(step: OptimizerStep, grads: Sequence[Tensor | None]) -> int:
     storages = {  # by address: a view's untyped_storage() is a new object each time, its id may be reused
         g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
         for g, e in zip(grads, step.entries, strict=False)
-        if g is not None and g.untyped_storage().data_ptr() != e.bucket.shard_grad.untyped_storage().data_ptr()
+        if g is not None and not _same_storage(g, e.bucket.held(e.slot))
     }
     return sum(storages.values())
 
@@ -385,6 +385,10 @@ class OptimizerStep:
     def step_grad_nbytes(self) -> int:
         """Bytes of step gradients held now (wide copies of the masters' gradients exist only during a step)."""
         return _wide_nbytes(self, self._step_grads)
+
+
+def _same_storage(a: Tensor, b: Tensor | None) -> bool:
+    return b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 class ModuleGradShards:

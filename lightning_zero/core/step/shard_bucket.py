@@ -1,9 +1,11 @@
 """Stage 2: only the rank's gradient shard persists; each bucket is reduce-scattered during backward.
 
 A bucket's full gradient lives in a staging buffer from its first gradient until its reduce-scatter
-completes; the averaged result is folded into the persistent shard (4Ψ/N bytes in fp32). Every
-backward pass reduces, micro-batches of gradient accumulation included, so per rank the model
-states cost 4Ψ + 12Ψ/N bytes for fp32 Adam plus the staging buckets in flight.
+completes; the averaged result is folded into the shard (4Ψ/N bytes in fp32), as soon as it completes where
+nothing is live. Every backward pass reduces, micro-batches of gradient accumulation included, so per rank the
+model states cost 4Ψ + 12Ψ/N bytes for fp32 Adam plus the staging buckets in flight. The shard lives from the
+reduction that makes it until a ``zero_grad`` empties every piece of it (as FSDP2 frees its gradients), so the
+forward that follows does not hold it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import Tensor
 
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer, ShardStorage
 from lightning_zero.core.peak import Tracked
-from lightning_zero.core.step.buckets import GradBucket
+from lightning_zero.core.step.buckets import BucketState, GradBucket
 from lightning_zero.core.step.reduction import GradientReduction
 
 
@@ -44,7 +46,8 @@ class ShardGradBucket(GradBucket):
         resting: tuple[ShardStorage, ShardStorage] | None = None,
     ) -> None:
         super().__init__(buffer, reduction, reduce_dtype)
-        self._shard_grad: Tensor | None = None  # created by the first reduction: evaluation never holds it
+        # Made by a reduction, dropped by a zero_grad that empties every piece: forward and evaluation hold none.
+        self._shard_grad: Tensor | None = None
         self.staging = None
         self._output = None
         self._in_place = False  # the reduction in flight writes the shard itself
@@ -94,6 +97,8 @@ class ShardGradBucket(GradBucket):
     def clear(self, slots: Sequence[int], set_to_none: bool) -> None:
         super().clear(slots, set_to_none)
         self._clean = self._clean and set_to_none
+        if set_to_none and self.resting is None and self.state is BucketState.IDLE and not any(self.live):
+            self._shard_grad = None  # holds nothing live: the next reduction makes it (see [Note: gradient liveness])
 
     def _begin_filling(self) -> None:
         """Nothing to prepare: the staging buffer is created with the first gradient."""
@@ -114,7 +119,7 @@ class ShardGradBucket(GradBucket):
         # When zero_grad emptied every piece (the usual case) the result may land in the shard directly.
         self._in_place = self.reduce_dtype == self.buffer.data.dtype and not any(self.live)
         if self._in_place:
-            if self._shard_grad is None and self._on_disk:  # every value is replaced: nothing to read from disk
+            if self._shard_grad is None:  # every value is replaced: nothing to read from disk, nothing to zero
                 self._wait_reading()
                 self._shard_grad = torch.empty(self._shape[1], dtype=self._shape[0], device=self.device)
                 self._on_disk = False
@@ -134,7 +139,11 @@ class ShardGradBucket(GradBucket):
         return self._output
 
     def _settle_reduced(self) -> None:
-        if self.resting is None or self._output is None:
+        if self.resting is None:
+            if self._output is not None and not self._in_place and not any(self.live):
+                self._fold_now()
+            return
+        if self._output is None:
             return
         if self._in_place:
             self.settle()
@@ -145,6 +154,18 @@ class ShardGradBucket(GradBucket):
             self.resting[1].put(self._output)
             self._output_on_disk = True
         self._output = None
+
+    def _fold_now(self) -> None:
+        """A reduction in a wider dtype replaces every held value (none is live): round it into the shard as soon as
+        it completes, so the wide result does not wait for the end of backward (one per bucket would pile up to a
+        wide copy of every gradient shard). Pieces the end of backward finds unused stay not live, so what lands in
+        them is never read."""
+        assert self._output is not None
+        if self._shard_grad is None:
+            self._shard_grad = self._output.to(self._shape[0])
+        else:
+            self._shard_grad.copy_(self._output)
+        self._output, self._in_place, self._clean = None, True, False
 
     def _replace_shard(self, values: Tensor) -> None:
         """``resting``: the shard becomes ``values`` in its own dtype and goes to its region (nothing is read)."""
