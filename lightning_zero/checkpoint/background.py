@@ -51,6 +51,10 @@ class BackgroundSaves:
         self.saves = 0  # started
         self.peak_snapshot_bytes = 0  # the largest snapshot held, this rank
 
+    def __reduce__(self) -> tuple[type[BackgroundSaves], tuple[()]]:
+        """A copy in another process (a strategy pickled for ``start_method="spawn"``) starts with no save."""
+        return BackgroundSaves, ()
+
     @property
     def in_flight(self) -> bool:
         """Whether a save was started and its outcome not taken yet (the same on every rank)."""

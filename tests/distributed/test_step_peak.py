@@ -190,8 +190,9 @@ def test_step_peak_by_kind_equals_the_probe_and_lies_within_the_formulas(
         bounds = got["bounds"]
         assert all(transient[kind] <= bounds[kind] for kind in KINDS), f"rank {rank}: {transient} > {bounds}"
         assert got["total"] <= peak.total <= got["total"] + sum(bounds.values()), f"rank {rank}: {peak}"
-        # Stage 1 in fp32 reduces in place in its persistent full gradient: the only case with no staging.
-        assert (transient["buckets"] > 0) != (stage == 1 and precision == "32-true"), f"rank {rank}: {peak}"
+        # Stage 1 in fp32 reduces in place in its full gradient: the only case with nothing transient. (Stage 1 in
+        # bf16 peaks at its step: one staging buffer in backward is smaller than the fp32 step gradients.)
+        assert (sum(transient.values()) > 0) != (stage == 1 and precision == "32-true"), f"rank {rank}: {peak}"
         if stage == 3:  # the root and at least one block at once
             assert transient["gathered"] >= got["root"] + got["block"], f"rank {rank}: {peak}"
         else:
