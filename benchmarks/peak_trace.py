@@ -25,6 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_zero
+from phase_memory import _status_mib
 import torch
 from torch import Tensor
 from zero_bench.launch import on_ranks
@@ -33,14 +34,6 @@ from zero_bench.names import SYSTEMS
 from zero_bench.systems import build_system
 
 MMAP64K = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-
-
-def _status_mib(field: str) -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 class Recorder:
