@@ -25,8 +25,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_zero
-from phase_memory import _status_mib
 import torch
+from phase_memory import _status_mib
 from torch import Tensor
 from zero_bench.launch import on_ranks
 from zero_bench.measure import batch_stream, model_config
