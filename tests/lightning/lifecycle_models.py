@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import faulthandler
 import io
 import os
 import select
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -88,22 +90,42 @@ def probe(operation: Callable[[], Any], timeout_s: float = PROBE_TIMEOUT_S) -> d
     The child sees this process's memory as it is (gathered or not) and sends its result back through a pipe with
     ``torch.save``; a value that cannot be sent (e.g. a module that holds a process group) is reported as an error.
     The operation must not communicate: only this process would take part.
+
+    A child that has not answered in time writes the stacks of its threads first; they are part of the
+    ``"crashed"`` message. Such a child is tried once more: the rank is multi-threaded (gloo's workers), and a
+    fork can copy a lock another thread holds, a hazard of this harness, not of the operation. The first try's
+    stacks are kept under ``"retried"``; an operation that hangs hangs twice and is reported.
     """
+    first = _probe_once(operation, timeout_s)
+    if "timed_out" not in first:
+        return first
+    second = _probe_once(operation, timeout_s)
+    if "timed_out" in second:
+        stacks = second["timed_out"]
+        return {"crashed": f"the operation did not finish within {timeout_s} s, twice; its stacks:\n{stacks}"}
+    return second | {"retried": first["timed_out"]}
+
+
+def _probe_once(operation: Callable[[], Any], timeout_s: float) -> dict[str, Any]:
+    """One forked try of :func:`probe`; ``{"timed_out": stacks}`` where the child did not answer in time."""
     read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_fd)
-        _child(operation, write_fd)
-    os.close(write_fd)
-    try:
-        data = _read_all(read_fd, timeout_s)
-    finally:
-        os.close(read_fd)
-    if data is None:
-        os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
-    if data is None:
-        return {"crashed": f"the operation did not finish within {timeout_s} s"}
+    with tempfile.TemporaryFile() as stacks:
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_fd)
+            faulthandler.dump_traceback_later(max(timeout_s - 2.0, timeout_s / 2), file=stacks)
+            _child(operation, write_fd)
+        os.close(write_fd)
+        try:
+            data = _read_all(read_fd, timeout_s)
+        finally:
+            os.close(read_fd)
+        if data is None:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        if data is None:
+            stacks.seek(0)
+            return {"timed_out": stacks.read().decode(errors="replace") or "(none written)"}
     if os.WIFSIGNALED(status):
         return {"crashed": f"the process died of signal {signal.Signals(os.WTERMSIG(status)).name}"}
     if not data:
