@@ -13,9 +13,12 @@ With Lightning's ``AsyncCheckpointIO`` plugin a sharded save is split in two (se
   saves), so they never interleave with the training thread's.
 
 One save is in flight at a time: a new save first waits for the previous one to commit, so at most one snapshot
-(the rank's share of the model states) is held, and a checkpoint removed while a save is in flight
-(``ModelCheckpoint(save_top_k=k)`` deleting the oldest) is removed only after that save committed, so a crash at
-any moment leaves the last committed checkpoint. The training thread learns the outcome at agreed points only:
+(the rank's share of the model states) is held. Its copies are kept after the write and refilled by the next save
+(a copy into memory already mapped costs a third of a clone's time), so from the first asynchronous save to the
+end of ``fit`` a rank holds one copy of its files' tensors in host memory (``snapshot_bytes``). A checkpoint
+removed while a save is in flight (``ModelCheckpoint(save_top_k=k)`` deleting the oldest) is removed only after
+that save committed, so a crash at any moment leaves the last committed checkpoint. The training thread learns
+the outcome at agreed points only:
 each training step's start while a save is in flight (a 4-byte all-reduce of "done here", so that every rank sees
 the save finished at the same step), the next save, and the end of ``fit``. A failed write (a full disk on one
 rank) is agreed inside :func:`finish_save`, so every rank raises the same ``CheckpointError``, naming the rank and
@@ -46,6 +49,7 @@ class BackgroundSaves:
         self._future: Future[None] | None = None
         self._pending: PendingSave | None = None
         self._removals: list[Path] = []
+        self._staging: list[torch.Tensor] = []  # the last snapshot's copies, refilled by the next
         self._committed = False  # the save in flight committed (its removals are done or made by the caller)
         self._lock = threading.Lock()
         self.saves = 0  # started
@@ -62,8 +66,8 @@ class BackgroundSaves:
 
     @property
     def snapshot_bytes(self) -> int:
-        """Bytes this rank holds now in snapshot copies (0 once the save's files are written)."""
-        return self._pending.snapshot_bytes if self._pending is not None else 0
+        """Bytes this rank holds now in snapshot copies (kept for the next save until :meth:`close`)."""
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._staging}.values())
 
     def start(self, state: NamedState, path: str | Path, extra: dict[str, Any], **options: Any) -> None:
         """Snapshot ``state`` for a save to ``path`` and finish it in the background (collective). Waits first for
@@ -74,7 +78,9 @@ class BackgroundSaves:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-zero-save")
         extra = _copied(extra)
         with state.saving():  # state resting in the swap file is read from maps of it
-            pending = begin_save(state, path, extra, snapshot=True, **options)
+            pending = begin_save(state, path, extra, snapshot=True, staging=self._staging, **options)
+        if pending.staged:
+            self._staging = pending.staged
         self.saves += 1
         self.peak_snapshot_bytes = max(self.peak_snapshot_bytes, pending.snapshot_bytes)
         assert self._executor is not None
@@ -128,6 +134,7 @@ class BackgroundSaves:
         try:
             self.wait()
         finally:
+            self._staging = []
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None

