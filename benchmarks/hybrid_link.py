@@ -5,6 +5,7 @@ Run on demand (never from the tests), as root (it creates network namespaces), f
     python benchmarks/hybrid_link.py                       # --rate 500mbit, ~12M-parameter GPT
     python benchmarks/hybrid_link.py --rate off --json /tmp/hybrid_off.json   # the same, link not throttled
     python benchmarks/hybrid_link.py --systems zero3,zero3_hybrid --steps 3 --warmup 1   # quick
+    python benchmarks/hybrid_link.py --systems zero3,zero3_qw,zero3_qg,zero3_hp,zero3_pp,zero3_hybrid,fsdp2,fsdp2_hsdp
 
 What it does
 ------------
@@ -29,7 +30,9 @@ take on that link.
 Systems: ``ddp`` (``DistributedDataParallel``), ``fsdp2`` (``fully_shard`` per block over all 4 ranks),
 ``fsdp2_hsdp`` (``fully_shard`` over a 2-D mesh, sharded inside a node, replicated across nodes), ``zero2``,
 ``zero3`` (the engine, flat shards over all 4 ranks), ``zero3_hybrid`` (and, not by default, ``zero2_hybrid``):
-the engine with ``EngineOptions(stage=3, shard_size=--shard-size)``. A system that cannot be built on this
+the engine with ``EngineOptions(stage=3, shard_size=--shard-size)``; the ZeRO++ systems of flat stage 3:
+``zero3_qw`` (``quantize_weights``), ``zero3_qg`` (``quantize_gradients``), ``zero3_hp`` (``secondary_shard_size=
+--shard-size``) and ``zero3_pp`` (all three). A system that cannot be built on this
 checkout (a core without ``shard_size``) is reported as ``unavailable: <error>`` and the run goes on.
 """
 

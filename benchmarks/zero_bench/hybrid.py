@@ -21,8 +21,16 @@ from lightning_zero.core.options import EngineOptions
 
 from .systems import DDPSystem, FSDP2System, System, ZeroSystem, make_adamw, make_model
 
-HYBRID_SYSTEMS = ("ddp", "fsdp2", "fsdp2_hsdp", "zero2", "zero3", "zero2_hybrid", "zero3_hybrid")
-DEFAULT_SYSTEMS = ("ddp", "fsdp2", "fsdp2_hsdp", "zero2", "zero3", "zero3_hybrid")
+# ZeRO++ (issue 27): flat stage 3 with quantized weight gathers (qw), quantized gradients (qg), the secondary shard
+# inside a node (hp), or all three (pp); the secondary groups are a node's ranks (--shard-size).
+ZEROPP_SYSTEMS = {
+    "zero3_qw": {"quantize_weights": True},
+    "zero3_qg": {"quantize_gradients": True},
+    "zero3_hp": {"secondary_shard_size": "node"},
+    "zero3_pp": {"quantize_weights": True, "quantize_gradients": True, "secondary_shard_size": "node"},
+}
+HYBRID_SYSTEMS = ("ddp", "fsdp2", "fsdp2_hsdp", "zero2", "zero3", "zero2_hybrid", "zero3_hybrid", *ZEROPP_SYSTEMS)
+DEFAULT_SYSTEMS = ("ddp", "fsdp2", "fsdp2_hsdp", "zero2", "zero3", "zero3_hybrid", *ZEROPP_SYSTEMS)
 REFERENCE = "zero3"  # the ratios of the table are to flat stage 3's step time
 
 
@@ -48,7 +56,8 @@ class HSDPSystem(FSDP2System):
 
 
 class HybridZeroSystem(ZeroSystem):
-    """``zero2_hybrid``, ``zero3_hybrid``: the engine with ``EngineOptions(stage=..., shard_size=...)``, fp32.
+    """``zero2_hybrid``, ``zero3_hybrid``: the engine with ``EngineOptions(stage=..., shard_size=...)``, fp32; the
+    ZeRO++ systems (:data:`ZEROPP_SYSTEMS`): flat stage 3 with their options.
 
     Cores without the option raise here (``TypeError``: no such field; ``NotImplementedError``: declared, not
     built yet); ``hybrid_link.py`` reports the row as unavailable and goes on.
@@ -59,7 +68,10 @@ class HybridZeroSystem(ZeroSystem):
         self.model = make_model(cfg, args.seed).to(self.device)
         self.optimizer = make_adamw(self.model, args.lr)
         stage = int(name[4])
-        options = EngineOptions(stage=stage, bucket_cap_mb=args.bucket_cap_mb, shard_size=args.shard_size)
+        extra: dict[str, Any] = {"shard_size": args.shard_size} if name.endswith("_hybrid") else {}
+        for option, value in ZEROPP_SYSTEMS.get(name, {}).items():
+            extra[option] = args.shard_size if value == "node" else value
+        options = EngineOptions(stage=stage, bucket_cap_mb=args.bucket_cap_mb, **extra)
         self.policy = None
         self.engine = ZeroEngine(self.model, [self.optimizer], options, Communicator(group), device=self.device)
         self.last_comm = {}
@@ -76,6 +88,6 @@ def build_hybrid_system(name: str, cfg: GPTConfig, args: argparse.Namespace) -> 
         return FSDP2System(name, cfg, args, group)
     if name == "fsdp2_hsdp":
         return HSDPSystem(name, cfg, args, group)
-    if name.endswith("_hybrid"):
+    if name.endswith("_hybrid") or name in ZEROPP_SYSTEMS:
         return HybridZeroSystem(name, cfg, args, group)
     return ZeroSystem(name, cfg, args, group)

@@ -1,0 +1,123 @@
+"""Convergence with ZeRO++'s options: the example GPT trained by flat stage 3 and by each option, loss per step.
+
+Run on demand, from the repository root (about 10 minutes with the defaults on 2 cores)::
+
+    python benchmarks/zeropp_convergence.py --out benchmarks/out/zeropp_convergence.json \
+        --plot docs/img/zeropp_convergence.png
+
+Four gloo ranks, numbered as 2 nodes x 2 ranks (``LOCAL_WORLD_SIZE=2`` on one machine's loopback: the options'
+arithmetic depends on which ranks share a node, not on the link), train each system of
+``zero_bench.hybrid.ZEROPP_SYSTEMS`` and plain flat stage 3 (``zero3``) from the same seed on the same batches (the
+example's corpus, a fixed stream per rank), fp32 AdamW, ``--steps`` steps each. The loss of a step is the mean of
+the 4 ranks' losses. The table gives each system's mean loss over the last ``--tail`` steps and its relative
+difference to plain stage 3's (goal: within 1%); the plot draws the curves (a moving mean of ``--smooth`` steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from zero_bench.hybrid import ZEROPP_SYSTEMS, build_hybrid_system  # importing zero_bench puts the root on sys.path
+from zero_bench.measure import batch_stream, model_config
+from zero_bench.systems import lm_loss
+
+from examples.gpt import DEFAULT_DATA, count_params
+from tests.helpers import run_on_ranks
+
+NODES, PER_NODE = 2, 2
+SYSTEMS = ("zero3", *ZEROPP_SYSTEMS)
+
+
+def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every system in turn on this rank; the mean loss of the ranks at each step, per system."""
+    torch.set_num_threads(1)
+    cfg = model_config(args)
+    curves: dict[str, list[float]] = {}
+    for name in args.systems:
+        system = build_hybrid_system(name, cfg, args)
+        batches = batch_stream(args, rank)
+        losses = []
+        for _ in range(args.steps):
+            x, y = next(batches)
+            system.engine.begin_iteration()
+            system.optimizer.zero_grad()
+            loss = lm_loss(system.model, x, y)
+            loss.backward()
+            system.engine.finish_backward()
+            system.engine.step_of(system.optimizer).prepare()
+            system.optimizer.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world_size)
+        curves[name] = losses
+        del system
+    return {"curves": curves, "numel": count_params(cfg)}
+
+
+def _moving_mean(values: list[float], width: int) -> list[float]:
+    return [sum(values[max(0, i - width + 1) : i + 1]) / (i + 1 - max(0, i - width + 1)) for i in range(len(values))]
+
+
+def plot(curves: dict[str, list[float]], smooth: int, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for name, losses in curves.items():
+        axis.plot(range(1, len(losses) + 1), _moving_mean(losses, smooth), label=name, linewidth=1.2)
+    axis.set_xlabel("step")
+    axis.set_ylabel(f"training loss (moving mean of {smooth})")
+    axis.set_title("ZeRO++ options against flat stage 3 (2 nodes x 2 ranks, fp32 AdamW)")
+    axis.legend()
+    axis.grid(alpha=0.3)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, zero3 first")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--tail", type=int, default=50, help="steps whose mean loss the table compares")
+    parser.add_argument("--smooth", type=int, default=10, help="the plot's moving mean")
+    parser.add_argument("--params", type=float, default=2e6, help="the GPT's parameter count, about")
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25)
+    parser.add_argument("--data", default=str(DEFAULT_DATA))
+    parser.add_argument("--out", default=None, help="JSON of the curves")
+    parser.add_argument("--plot", default=None, help="PNG of the curves (needs matplotlib)")
+    args = parser.parse_args(argv)
+    args.systems = [name.strip() for name in args.systems.split(",") if name.strip()]
+    if not args.systems or args.systems[0] != "zero3" or not set(args.systems) <= set(SYSTEMS):
+        parser.error(f"--systems: zero3 first, then any of {SYSTEMS[1:]}; got {args.systems}")
+    args.shard_size = PER_NODE  # the secondary groups: a node's ranks
+    args.device = "cpu"
+    result = run_on_ranks(train, NODES * PER_NODE, args, nodes=NODES, timeout_s=7200)[0]
+    curves = result["curves"]
+    base = sum(curves["zero3"][-args.tail :]) / args.tail
+    print(f"GPT {result['numel'] / 1e6:.2f}M parameters, {args.steps} steps, 2 nodes x 2 ranks")
+    print(f"| system | first loss | mean loss, last {args.tail} steps | relative to zero3 |")
+    print("|---|---|---|---|")
+    for name, losses in curves.items():
+        tail = sum(losses[-args.tail :]) / args.tail
+        print(f"| {name} | {losses[0]:.4f} | {tail:.4f} | {(tail - base) / base:+.2%} |")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"args": vars(args), **result}, indent=1))
+    if args.plot:
+        plot(curves, args.smooth, Path(args.plot))
+
+
+if __name__ == "__main__":
+    main()
