@@ -176,7 +176,7 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         precision.attach(self.session.engine_or_none)
         if fitting:
             # Lightning's optimizer wrappers copy their optimizer's class: make them again now that the engine has
-            # given each optimizer a zero_grad that empties the gradient shards (see core/step/optimizer_step.py).
+            # given each optimizer a zero_grad that empties the gradient shards (see core/step/zero_grad.py).
             self.optimizers = self.optimizers
 
     @override

@@ -59,13 +59,9 @@ from lightning_zero.core.shards import BufferGroup, ShardedModel
 from lightning_zero.core.stage3.scheduler import Stage3Scheduler
 from lightning_zero.core.step.full_bucket import FullGradBucket
 from lightning_zero.core.step.loss_weight import LossWeights
-from lightning_zero.core.step.optimizer_step import (
-    LossScaling,
-    OptimizerStep,
-    install_module_zero_grad,
-    uninstall_module_zero_grad,
-)
+from lightning_zero.core.step.optimizer_step import LossScaling, OptimizerStep
 from lightning_zero.core.step.shard_bucket import ShardGradBucket
+from lightning_zero.core.step.zero_grad import install_module_zero_grad, uninstall_module_zero_grad
 from lightning_zero.core.store.swap import IOCounts
 
 # The engine that drives each module now: one at a time (see release_previous_engine).

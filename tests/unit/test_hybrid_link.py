@@ -22,7 +22,8 @@ def test_defaults_time_every_system_but_zero2_hybrid_at_the_default_rate(hybrid_
     args = hybrid_link.parse_args([])
     assert args.rate == hybrid_link.DEFAULT_RATE
     assert args.rate_bits == hybrid_link.rate_bits_per_s(hybrid_link.DEFAULT_RATE)
-    assert args.systems == ["ddp", "fsdp2", "fsdp2_hsdp", "zero2", "zero3", "zero3_hybrid"]
+    zeropp = ["zero3_qw", "zero3_qg", "zero3_hp", "zero3_pp"]
+    assert args.systems == ["ddp", "fsdp2", "fsdp2_hsdp", "zero2", "zero3", "zero3_hybrid", *zeropp]
     assert args.shard_size == 2
     chosen = hybrid_link.parse_args(["--rate", "off", "--systems", "zero3, zero2_hybrid"])
     assert (chosen.rate_bits, chosen.systems) == (None, ["zero3", "zero2_hybrid"])

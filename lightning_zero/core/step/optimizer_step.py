@@ -13,15 +13,12 @@ liveness]); the optimizer's class is swapped, once, for a subclass that does so 
 
 from __future__ import annotations
 
-import functools
 import math
-import types
 from collections.abc import Callable, Sequence
 from enum import Enum, auto
-from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
@@ -34,6 +31,7 @@ from lightning_zero.core.step.buckets import GradBucket
 from lightning_zero.core.step.entry import StepEntry
 from lightning_zero.core.step.loss_weight import LossWeights
 from lightning_zero.core.step.paged import PagedStepGrads, run_paged
+from lightning_zero.core.step.zero_grad import clearing_class
 
 
 class StepState(Enum):
@@ -139,7 +137,7 @@ class OptimizerStep:
         ]
         base = type(self.optimizer)
         if not getattr(base, "_zero_grad_clears_shards", False):
-            self.optimizer.__class__ = _clearing_class(base)
+            self.optimizer.__class__ = clearing_class(base)
         self.optimizer._zero_step = self  # type: ignore[attr-defined]
 
     def uninstall(self) -> None:
@@ -389,66 +387,3 @@ class OptimizerStep:
 
 def _same_storage(a: Tensor, b: Tensor | None) -> bool:
     return b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-class ModuleGradShards:
-    """The optimizer steps whose held gradients ``module.zero_grad()`` empties too (installed on the module by
-    :func:`install_module_zero_grad`). A copy of the module (``copy.deepcopy``, pickling) holds none."""
-
-    def __init__(self, steps: Sequence[OptimizerStep]) -> None:
-        self.steps = list(steps)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> ModuleGradShards:
-        return ModuleGradShards([])
-
-    def __reduce__(self) -> tuple[Any, tuple]:
-        return ModuleGradShards, ([],)
-
-
-def install_module_zero_grad(root: nn.Module, steps: Sequence[OptimizerStep]) -> None:
-    """Make ``module.zero_grad()`` of ``root`` and of each of its submodules (``self.generator.zero_grad()``) empty
-    the held gradient shards of its parameters, as ``optimizer.zero_grad()`` does (Lightning calls the root's
-    before each validation loop): without it, the parameters hold no ``grad`` to empty."""
-    holder = ModuleGradShards(steps)
-    for module in root.modules():
-        module._zero_grad_shards = holder  # type: ignore[assignment]
-        module.zero_grad = types.MethodType(_module_zero_grad, module)  # type: ignore[method-assign]
-
-
-def uninstall_module_zero_grad(root: nn.Module) -> None:
-    for module in root.modules():
-        module.__dict__.pop("zero_grad", None)
-        module.__dict__.pop("_zero_grad_shards", None)
-
-
-def _module_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
-    holder = module.__dict__.get("_zero_grad_shards")
-    if holder is not None and holder.steps:
-        params = {id(p) for p in module.parameters()}
-        for step in holder.steps:
-            step.zero_grad(set_to_none, only=params)
-    type(module).zero_grad(module, set_to_none)
-
-
-# Pickle stores a bound method as getattr(module, name): a pickled module then gets its class's zero_grad back.
-_module_zero_grad.__name__ = _module_zero_grad.__qualname__ = "zero_grad"
-
-
-@functools.cache
-def _clearing_class(base: type[Optimizer]) -> type[Optimizer]:
-    """``base`` whose ``zero_grad`` first empties the held gradient shards. See [Note: the step window]."""
-
-    def zero_grad(self: Optimizer, set_to_none: bool = True) -> None:
-        # getattr, not __dict__: Lightning's LightningOptimizer subclasses this class and forwards attributes.
-        step: OptimizerStep | None = getattr(self, "_zero_step", None)
-        if step is not None:
-            step.zero_grad(set_to_none)
-        base.zero_grad(self, set_to_none)
-
-    attributes: dict[str, Any] = {
-        "zero_grad": zero_grad,
-        "_zero_grad_clears_shards": True,
-        "__module__": base.__module__,
-        "__qualname__": base.__qualname__,
-    }
-    return type(base.__name__, (base,), attributes)
