@@ -41,6 +41,7 @@ from lightning_zero.core.layout.flat_buffer import ShardedBuffer, ShardedState
 from lightning_zero.core.layout.resting import engine_access
 from lightning_zero.core.options import WrapPolicy
 from lightning_zero.core.peak import DETACHED, PeakLedger
+from lightning_zero.core.stage3.secondary import SecondaryShards
 
 
 def select_units(root: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
@@ -211,6 +212,9 @@ class GatherUnit:
         self.holds_frozen = any(not p.requires_grad for b in buffers for p in b.params)
         self._pending: list[Work | None] = []  # gathers started and not waited for, one per buffer
         self._handles: list[RemovableHandle] = []
+        # With secondary_shard_size: the slices kept from forward to backward (see [Note: secondary shards]).
+        self.secondary: SecondaryShards | None = None
+        self._from_secondary = False  # the pending gathers read the secondary slices: drop them once complete
 
     def register_hooks(self, pre_forward: Callable[..., Any], post_forward: Callable[..., Any]) -> None:
         """Call the scheduler around the module's forward (again, after :meth:`remove_hooks`)."""
@@ -233,11 +237,35 @@ class GatherUnit:
     def gathered_or_pending(self) -> bool:
         return bool(self._pending) or self.state is ShardedState.GATHERED
 
-    def start_unshard(self, comm: Communicator) -> None:
-        """Start gathering without waiting; a no-op when gathered or already started."""
-        if not self.gathered_or_pending:
-            with engine_access():
+    def start_unshard(self, comm: Communicator, secondary: bool = False) -> None:
+        """Start gathering without waiting; a no-op when gathered or already started. With ``secondary`` (backward)
+        from the secondary slices where they are kept, inside the secondary group (see [Note: secondary shards])."""
+        if self.gathered_or_pending:
+            return
+        with engine_access():
+            if secondary and self.holds_secondary:
+                assert self.secondary is not None
+                self._pending, self._from_secondary = self.secondary.start_gather(self.buffers), True  # type: ignore[arg-type]
+            else:
                 self._pending = [buffer.start_unshard(comm) for buffer in self.buffers]
+        self._count()
+
+    @property
+    def holds_secondary(self) -> bool:
+        return self.secondary is not None and self.secondary.held
+
+    def keep_secondary(self) -> None:
+        """Keep this rank's secondary slices of the gathered buffers (after forward, before :meth:`reshard`)."""
+        if self.secondary is not None and self.buffers:
+            self.secondary.keep(self.buffers)  # type: ignore[arg-type]
+            self._count()
+
+    def drop_secondary(self) -> None:
+        """Free the secondary slices (a backward's plan is over or forgotten); a gather reading them completes first."""
+        if self.holds_secondary:
+            self.wait()
+            assert self.secondary is not None
+            self.secondary.drop()
             self._count()
 
     def read_ahead(self) -> None:
@@ -255,6 +283,9 @@ class GatherUnit:
         for work in pending:
             if work is not None:
                 work.wait()
+        if self._from_secondary:  # the backward's gather read them: they are spent
+            self._from_secondary = False
+            self.drop_secondary()
 
     def write_back(self) -> None:
         for buffer in self.buffers:
@@ -271,6 +302,8 @@ class GatherUnit:
         """Tell the ledger the bytes of full buffers this unit holds now."""
         for buffer in self.buffers:
             self.ledger.hold("gathered", (id(buffer), "gathered"), buffer.data.untyped_storage().nbytes())
+        if self.secondary is not None:
+            self.ledger.hold("secondary", (id(self), "secondary"), self.secondary.nbytes)
 
 
 class UnitHook:
