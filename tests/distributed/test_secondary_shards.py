@@ -1,9 +1,10 @@
 """Secondary shards (``secondary_shard_size``, ZeRO++ hpZ): backward gathers inside a node from the slices kept after
-forward. On 4 gloo ranks numbered as 2 nodes x 2, with secondary groups of 2 (one per node) and of 1:
-parameters bit for bit those of plain stage 3 (fp32 and bf16-mixed, accumulation and clipping, activation
-checkpointing, no prefetch, offloaded parameters, hybrid sharding, whole-tensor owners, a step that raises in
-backward); one step's bytes by node against the units' sizes; memory_report() between forward and backward against
-estimate_memory(secondary_shard_size=) and the CLI; and the errors of a bad value. One spawn in all.
+forward. On 4 gloo ranks numbered as 2 nodes x 2, with secondary groups of 2 (one per node) and of 1: parameters bit
+for bit those of plain stage 3 (fp32 and bf16-mixed, accumulation and clipping, activation checkpointing, a unit used
+twice, a backward that reaches some units on half the ranks, no prefetch, offloaded parameters, hybrid sharding,
+whole-tensor owners, a step that raises in backward); one step's bytes by node against the units' sizes;
+memory_report() at the end of forward against estimate_memory(secondary_shard_size=) and the CLI; and the errors of
+a bad value. One spawn in all.
 """
 
 from __future__ import annotations
@@ -39,11 +40,16 @@ class Net(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
         self.head = nn.Linear(WIDTH, VOCAB)
         self.fail = False  # raise in the next backward, on every rank
+        self.reuse = False  # apply the middle layer twice: two plan entries for one unit
+        self.first: Tensor | None = None  # the first layer's output
 
     def forward(self, tokens: Tensor) -> Tensor:
         hidden = self.emb(tokens)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             hidden = torch.tanh(layer(hidden))
+            if index == 1 and self.reuse:
+                hidden = torch.tanh(layer(hidden))
+            self.first = hidden if index == 0 else self.first
         if self.fail:
             hidden.register_hook(_raise)
         return self.head(hidden)
@@ -53,9 +59,13 @@ def _raise(grad: Tensor) -> Tensor:
     raise RuntimeError("raised in backward on purpose")
 
 
-def _loss(model: nn.Module, rank: int, seed: int) -> Tensor:
+def _loss(model: nn.Module, rank: int, seed: int, partial: bool = False) -> Tensor:
+    """The next-token loss; with ``partial`` on odd ranks one that reaches the first two units only (their backward
+    still issues the gathers of the others, from the slices, in step with the even ranks)."""
     tokens = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(100 * seed + rank))
     logits = model(tokens[:, :-1])
+    if partial and rank % 2:
+        return model.first.float().square().mean()
     return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
@@ -66,11 +76,11 @@ def _engine(model: nn.Module, optimizer: torch.optim.Optimizer, mixed: bool, **o
     return ZeroEngine(model, [optimizer], EngineOptions(**options), Communicator(), precision=BF16 if mixed else None)
 
 
-def _micro_step(engine: ZeroEngine, rank: int, seed: int, scale: float) -> None:
+def _micro_step(engine: ZeroEngine, rank: int, seed: int, scale: float, partial: bool = False) -> None:
     """One micro-batch as the Lightning glue runs it: iteration start, root gathered, announced backward."""
     engine.begin_iteration()
     engine.model.scheduler.unshard_root()
-    engine.scale_loss(_loss(engine.module, rank, seed) * scale).backward()
+    engine.scale_loss(_loss(engine.module, rank, seed, partial) * scale).backward()
     engine.finish_backward()
 
 
@@ -78,8 +88,9 @@ def _train(rank: int, mixed: bool, accumulate: int = 1, clip: bool = False, fail
     """Train a fresh ``Net`` for STEPS steps; return its gathered parameters (and the fp32 masters where kept)."""
     torch.manual_seed(0)
     model = Net()
-    checkpointing = options.pop("checkpointing", False)
-    if checkpointing:
+    model.reuse = options.pop("reuse", False)
+    partial = options.pop("partial", False)
+    if options.pop("checkpointing", False):
         apply_activation_checkpointing(model, {nn.Linear})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     engine = _engine(model, optimizer, mixed, **options)
@@ -93,7 +104,7 @@ def _train(rank: int, mixed: bool, accumulate: int = 1, clip: bool = False, fail
         for micro in range(accumulate):
             context = engine.no_sync() if micro < accumulate - 1 else nullcontext()
             with context:
-                _micro_step(engine, rank, 10 * step + micro, 1 / accumulate)
+                _micro_step(engine, rank, 10 * step + micro, 1 / accumulate, partial)
         if clip:
             engine.step_of(optimizer).clip_grad_norm_(0.05)
         optimizer.step()
@@ -107,7 +118,8 @@ def _train(rank: int, mixed: bool, accumulate: int = 1, clip: bool = False, fail
 PARITY_2 = {
     "fp32-accumulate-clip": {"mixed": False, "accumulate": 2, "clip": True},
     "bf16-accumulate-clip": {"mixed": True, "accumulate": 2, "clip": True},
-    "checkpointing": {"mixed": False, "checkpointing": True},
+    "checkpointing-reuse": {"mixed": False, "checkpointing": True, "reuse": True},
+    "partial-backward": {"mixed": False, "partial": True},
     "no-prefetch": {"mixed": True, "overlap_comm": False},
     "offload-params": {"mixed": True, "offload_params": "cpu", "accumulate": 2},
     "hybrid": {"mixed": False, "shard_size": 2, "accumulate": 2, "clip": True},

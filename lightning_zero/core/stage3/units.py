@@ -21,8 +21,10 @@ a weight also used detached), or, where its inputs need no gradient, once all it
 theirs; at the end of backward when it holds frozen parameters, or when a ``create_graph`` backward (a
 gradient penalty) reached it, whose graph the backward runs through again. The root stays gathered from the
 start of a training step to the end of its backward (in Lightning's manual optimization, to the end of the
-step). Gradients go through the same buckets as stage 2: one per buffer, reduce-scattered into the shard.
-Between uses every parameter rests (see [Note: stage-3 parameters at rest]).
+step). With ``secondary_shard_size`` a unit whose backward will come keeps a slice of its parameters from forward
+to backward, which its backward gathers from (see [Note: secondary shards]). Gradients go through the same buckets
+as stage 2: one per buffer, reduce-scattered into the shard. Between uses every parameter rests (see [Note: stage-3
+parameters at rest]).
 """
 
 from __future__ import annotations
