@@ -128,7 +128,10 @@ class Stage3Scheduler:
         if unit.buffers and not unit.gathered_or_pending:  # a unit without parameters gathers nothing, anywhere
             if check:
                 self.sequence.check(self._index[unit])
-            unit.start_unshard(self.comm, secondary=backward)
+            if backward:
+                unit.start_backward_unshard(self.comm)
+            else:
+                unit.start_unshard(self.comm)
 
     def _unshard(self, unit: GatherUnit, backward: bool = False) -> None:
         self._start(unit, backward=backward)

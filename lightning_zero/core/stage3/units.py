@@ -239,17 +239,23 @@ class GatherUnit:
     def gathered_or_pending(self) -> bool:
         return bool(self._pending) or self.state is ShardedState.GATHERED
 
-    def start_unshard(self, comm: Communicator, secondary: bool = False) -> None:
-        """Start gathering without waiting; a no-op when gathered or already started. With ``secondary`` (backward)
-        from the secondary slices where they are kept, inside the secondary group (see [Note: secondary shards])."""
-        if self.gathered_or_pending:
-            return
-        with engine_access():
-            if secondary and self.holds_secondary:
-                assert self.secondary is not None
-                self._pending, self._from_secondary = self.secondary.start_gather(self.buffers), True  # type: ignore[arg-type]
-            else:
+    def start_unshard(self, comm: Communicator) -> None:
+        """Start gathering without waiting; a no-op when gathered or already started."""
+        if not self.gathered_or_pending:
+            with engine_access():
                 self._pending = [buffer.start_unshard(comm) for buffer in self.buffers]
+            self._count()
+
+    def start_backward_unshard(self, comm: Communicator) -> None:
+        """:meth:`start_unshard` for backward: from the secondary slices where they are kept, inside the secondary
+        group (see [Note: secondary shards])."""
+        if not self.holds_secondary or self.gathered_or_pending:
+            self.start_unshard(comm)
+            return
+        assert self.secondary is not None
+        with engine_access():
+            self._pending = self.secondary.start_gather(self.buffers)  # type: ignore[arg-type]
+        self._from_secondary = True
         self._count()
 
     @property
