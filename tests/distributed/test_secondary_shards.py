@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import tempfile
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -324,3 +325,12 @@ def test_cli_estimate_counts_the_slices_at_stage_3_only(capsys: pytest.CaptureFi
     assert "Secondary shards: stage 3's parameters include 1/2 of every unit" in hpz
     with pytest.raises(SystemExit, match=r"--secondary-shard-size 3 does not divide the stage-3 gather group's 4"):
         main([*base, "--secondary-shard-size", "3"])
+
+
+def test_lightning_cli_yaml_sets_it(tmp_path: Path) -> None:
+    from tests.lightning.test_construction import _cli
+
+    strategy_yaml = "\n    class_path: lightning_zero.ZeroStrategy\n    init_args: {stage: 3, secondary_shard_size: 2}"
+    strategy = _cli(tmp_path, strategy_yaml).trainer.strategy
+    assert strategy.config.engine.secondary_shard_size == 2
+    assert strategy.config.describe()["secondary_shard_size"] == 2
