@@ -194,8 +194,28 @@ def _error(rank: int, **options: Any) -> str:
     return "no error"
 
 
+def _fabric(rank: int, secondary: int | None) -> dict[str, Tensor]:
+    """ZeroFabricStrategy at stage 3 through tests/fabric/parity.py's loop (accumulation, clipping by norm)."""
+    from lightning.fabric import Fabric
+
+    from lightning_zero import ZeroFabricStrategy
+    from tests.distributed.models import TinyLM
+    from tests.fabric.parity import full_params, trained
+
+    strategy = ZeroFabricStrategy(
+        stage=3, bucket_cap_mb=0.0005, wrap_policy={nn.Linear}, secondary_shard_size=secondary
+    )
+    fabric = Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy, precision="bf16-mixed")
+    fabric.launch()
+    torch.manual_seed(0)
+    model, _ = trained(fabric, TinyLM(), "one", False, rank)
+    return full_params(fabric, model)
+
+
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    plain, hpz = _fabric(rank, None), _fabric(rank, 2)
+    out["fabric"] = [name for name, value in plain.items() if not torch.equal(value, hpz[name])]
     _parity(rank, PARITY_2, 2, out)
     _parity(rank, PARITY_1, 1, out)
     out["bytes/plain"] = _one_step(rank, None)
@@ -218,6 +238,11 @@ def four() -> list[dict[str, Any]]:
 def test_bit_identical_to_plain_stage3_on_two_nodes(four: list[dict[str, Any]], case: str) -> None:
     for rank, out in enumerate(four):
         assert out[f"parity2/{case}"] == [[], []], f"rank {rank}: parameters / masters that differ"
+
+
+def test_fabric_strategy_is_bit_identical_too(four: list[dict[str, Any]]) -> None:
+    for rank, out in enumerate(four):
+        assert out["fabric"] == [], f"rank {rank}: parameters that differ"
 
 
 @pytest.mark.parametrize("case", list(PARITY_1))
