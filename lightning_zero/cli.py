@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_zero.core.options import check_secondary_shard_size
 from lightning_zero.estimate import (
     OPTIMIZER_STATE_BYTES,
     PRECISIONS,
@@ -192,14 +193,22 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
         help="hybrid sharding: shard inside groups of this many ranks (e.g. per node), replicate across them; "
         "a divisor of the world size (default: all ranks)",
     )
+    estimate.add_argument(
+        "--secondary-shard-size",
+        type=_positive_int,
+        help="stage 3 (ZeRO++ hpZ): units keep 1/N of their parameters from forward to backward, N ranks per "
+        "group inside a node; the stage-3 row counts them as at the end of forward (default: none)",
+    )
 
 
 def _estimate(args: argparse.Namespace) -> None:
     _apply_trainer_settings(args)
     try:
         group = shard_group_size(args.shard_size, args.world_size)
+        check_secondary_shard_size(args.secondary_shard_size, 3, group)
     except ValueError as error:  # checked before the model is built: the fix is on the command line
-        message = str(error).replace("shard_size=", "--shard-size ").replace("world_size=", "--world-size ")
+        message = str(error).replace("secondary_shard_size=", "--secondary-shard-size ")
+        message = message.replace("shard_size=", "--shard-size ").replace("world_size=", "--world-size ")
         raise SystemExit(f"lightning-zero estimate: {message}") from None
     class_path, init_args = _model_spec(args)
     model = _build_on_meta(class_path, init_args)
@@ -210,7 +219,7 @@ def _estimate(args: argparse.Namespace) -> None:
         f"world_size={args.world_size}, precision={args.precision}, optimizer={args.optimizer}, "
         f"offload_optimizer={args.offload_optimizer}, offload_params={args.offload_params}, "
         f"partition={args.partition}, accumulate_grad_batches={args.accumulate_grad_batches}, "
-        f"shard_size={args.shard_size}\n"
+        f"shard_size={args.shard_size}, secondary_shard_size={args.secondary_shard_size}\n"
     )
     rows = [_row(model, stage, args) for stage in STAGES]
     print(_format_table(rows))
@@ -230,6 +239,11 @@ def _estimate(args: argparse.Namespace) -> None:
             f"Hybrid sharding: stages 1-3 shard over groups of {group} ranks, replicated {args.world_size // group} "
             "times; stage 0 (DDP) shards nothing."
         )
+    if args.secondary_shard_size is not None:
+        print(
+            f"Secondary shards: stage 3's parameters include 1/{args.secondary_shard_size} of every unit, held from "
+            "its forward to its backward (the end of forward, when all are alive)."
+        )
 
 
 def _row(model: nn.Module, stage: int, args: argparse.Namespace) -> list[str]:
@@ -245,6 +259,7 @@ def _row(model: nn.Module, stage: int, args: argparse.Namespace) -> list[str]:
         partition=args.partition,
         accumulate_grad_batches=args.accumulate_grad_batches,
         shard_size=args.shard_size,
+        secondary_shard_size=args.secondary_shard_size if stage == 3 else None,
     )
     return [_stage_label(stage), *map(_human_bytes, _columns_of(estimate))]
 

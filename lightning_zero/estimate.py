@@ -16,6 +16,16 @@ state per parameter (Adam/AdamW: exp_avg and exp_avg_sq, 8 bytes). Per rank:
     gradients        = grad_width * Ψ                       / N at stages 2-3
     optimizer_states = (K + master_width) * Ψ               / N at stages 1-3
 
+With ``secondary_shard_size=s`` (stage 3, ZeRO++ hpZ) each unit keeps 1/s of its full buffer from its forward to
+its backward (see [Note: secondary shards]); ``params`` then counts the peak between forward and backward, when every
+unit's slice is alive (the end of forward), on the device whatever ``offload_params`` says:
+
+    params          += (param_width * Ψ + frozen_width * Φ) / s
+
+It counts every parameter as held by a unit: the root unit's (gathered in full from forward to backward, not
+counted here, as no gathered buffer is) and those of units whose outputs need no gradient keep no slice, so for
+them it is an upper bound.
+
 Frozen parameters have no optimizer and so no fp32 master: the mixed modes keep them in fp32 (autocast
 casts them for compute), ``"bf16-true"`` holds them in bf16 like the rest of the module.
 
@@ -40,7 +50,14 @@ from torch import nn
 
 from lightning_zero.core.layout.pieces import assign_owners
 from lightning_zero.core.memory import MemoryReport
-from lightning_zero.core.options import OFFLOAD_TARGETS, PARTITIONS, OffloadTarget, check_choice, check_shard_size
+from lightning_zero.core.options import (
+    OFFLOAD_TARGETS,
+    PARTITIONS,
+    OffloadTarget,
+    check_choice,
+    check_secondary_shard_size,
+    check_shard_size,
+)
 
 STAGES = (0, 1, 2, 3)
 OFFLOADED_MASTER_BYTES = 4  # the fp32 master the offloaded optimizer steps, in every precision
@@ -96,6 +113,7 @@ def estimate_memory(
     partition: str = "flat",
     accumulate_grad_batches: int = 1,
     shard_size: int | None = None,
+    secondary_shard_size: int | None = None,
 ) -> MemoryEstimate:
     """Estimate the bytes of parameters, gradients and optimizer state that each rank holds.
 
@@ -132,6 +150,9 @@ def estimate_memory(
             processes of one node) and replicated across the groups; a divisor of ``world_size``. ``None`` shards
             over all ranks. Every figure then equals that of ``world_size=shard_size`` without it, owners included
             (``partition="parameter"`` plans over one group's ranks). Ignored at stage 0, where nothing is sharded.
+        secondary_shard_size: stage 3 (ZeRO++ hpZ): units keep 1/secondary_shard_size of their parameters from
+            forward to backward; ``params`` then counts them too, as at the end of forward (see [Note: estimate
+            formulas]). A positive int dividing the stage-3 gather group's size (``shard_size`` or ``world_size``).
 
     Returns:
         The per-rank bytes; ``total`` is what stays on the accelerator.
@@ -140,10 +161,12 @@ def estimate_memory(
         ValueError: for a ``model`` that is not an ``nn.Module``, an unknown ``stage``, ``precision``,
             ``optimizer`` or offload target, a ``world_size`` or ``accumulate_grad_batches`` below 1,
             ``offload_optimizer`` at stage 0 or ``offload_params`` below stage 3, a ``shard_size`` that is not a
-            positive int dividing ``world_size``.
+            positive int dividing ``world_size``, a ``secondary_shard_size`` below stage 3 or not dividing the shard
+            group's size.
     """
     _check_arguments(model, stage, world_size, precision, optimizer, offload_optimizer, offload_params)
     group = shard_group_size(shard_size, world_size)
+    check_secondary_shard_size(secondary_shard_size, stage, group)
     check_choice("partition", partition, PARTITIONS)
     accumulating = accumulate_grad_batches
     if isinstance(accumulating, bool) or not isinstance(accumulating, int) or accumulating < 1:
@@ -172,6 +195,8 @@ def estimate_memory(
         offloaded, optimizer_states = offloaded + optimizer_states, 0
     if offload_params:
         offloaded, params = offloaded + params, 0
+    if secondary_shard_size is not None:  # the slices of every unit at the end of forward, on the device
+        params += _per_rank(widths.param * trainable + widths.frozen * frozen, secondary_shard_size)
     if offload_optimizer == "nvme" and offload_params == "nvme":  # ZeRO-Infinity: the gradient shard rests there too
         offloaded, gradients = offloaded + gradients, 0
         if accumulating > 1:  # and, accumulating, each reduction's fp32 result until it is folded in

@@ -16,8 +16,9 @@ class ZeroMonitor(Callback):
     ``zero/offloaded_bytes``, ``zero/comm_bytes``, ``zero/intra_node_bytes`` and ``zero/inter_node_bytes``; with
     ``shard_size`` also ``zero/shard_group_bytes`` and ``zero/replicate_group_bytes``. The step's peak:
     ``zero/peak_bytes`` and by kind ``zero/peak_model_states_bytes``, ``zero/peak_gathered_bytes``,
-    ``zero/peak_buckets_bytes``, ``zero/peak_temporaries_bytes`` and, on CUDA, ``zero/peak_activations_bytes``
-    (see :class:`~lightning_zero.MemoryReport`'s ``step_peak``). On CUDA the monitor has the strategy reset the
+    ``zero/peak_buckets_bytes``, ``zero/peak_temporaries_bytes``, with ``secondary_shard_size``
+    ``zero/peak_secondary_bytes`` and, on CUDA, ``zero/peak_activations_bytes`` (see
+    :class:`~lightning_zero.MemoryReport`'s ``step_peak``). On CUDA the monitor has the strategy reset the
     allocator's peak statistics (``torch.cuda.reset_peak_memory_stats``) before each training forward, so that
     ``torch.cuda.max_memory_allocated()`` reads the step's peak.
 

@@ -64,6 +64,9 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         weighted_loss: train on the gradient of the global mean over tokens: ``training_step`` returns
             ``{"loss": loss_sum, "loss_weight": n_tokens}`` (or calls ``self.manual_backward(loss_sum,
             loss_weight=n_tokens)``); see docs/weighted_loss.md.
+        secondary_shard_size: stage 3 (ZeRO++ hpZ): after forward keep each unit's parameters sharded over groups
+            of this many ranks inside a node, so that backward's gathers never leave the node; costs
+            1/secondary_shard_size of the units' parameters per rank until backward (see docs/configuration.md).
 
     Raises:
         ValueError: for an invalid option, naming the option, the value and the fix.
@@ -86,6 +89,7 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         weighted_loss: bool = False,
+        secondary_shard_size: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

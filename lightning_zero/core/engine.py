@@ -124,7 +124,7 @@ class ZeroEngine:
         # The first collective of setup, then everything that depends on an option: see [Note: the order of collectives]
         setup.agree_on_model(comm, module, self.optimizers, setup.describe(options, self.policy, agree_also, comm))
         # Groups are created only once the ranks agree (see [Note: hybrid sharding]).
-        self.topology = Topology.build(comm, options.stage, options.shard_size)
+        self.topology = Topology.build(comm, options.stage, options.shard_size, options.secondary_shard_size)
         shard = self.topology.shard
         if options.stage < 3:
             setup.broadcast_module_states(module, comm)
@@ -155,7 +155,7 @@ class ZeroEngine:
         self.backward = BackwardPass(self.model, comm, options.overlap_comm, options.stage, self.scaling)
         if options.stage == 3:
             self.model.scheduler = Stage3Scheduler(
-                units, self.topology.gather, options.overlap_comm, self.backward.passed_over
+                units, self.topology.gather, options.overlap_comm, self.backward.passed_over, self.topology.secondary
             )
         self.last_step_comm = CommStats()
         self.model.steps = [self._step(o) for o in self.optimizers]

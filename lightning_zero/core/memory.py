@@ -15,7 +15,8 @@ class StepPeak:
     ``model_states``: the device-resident model states held now (parameters, gradient shards, optimizer state and
     masters; the optimizer state of a first step appears during it). ``gathered``, ``buckets`` and ``temporaries``:
     the core's transient buffers (stage-3 gathered units, gradient staging buffers and reduce-scatter outputs, the
-    wide step gradients of a master copy) at the moment their sum was highest since the step began. ``allocated``
+    wide step gradients of a master copy) at the moment their sum was highest since the step began; ``secondary``
+    (``secondary_shard_size``; in ``by_kind`` where non-zero): the units' secondary slices then. ``allocated``
     (CUDA with ``ZeroEngine.allocator_peak``, which ``ZeroMonitor`` sets; else ``None``):
     ``torch.cuda.max_memory_allocated`` since the step began; ``activations`` (likewise) is what it holds beyond the
     other kinds: activations, autograd's temporaries, the batch.
@@ -25,6 +26,7 @@ class StepPeak:
     gathered: int = 0
     buckets: int = 0
     temporaries: int = 0
+    secondary: int = 0
     activations: int | None = None
     allocated: int | None = None
 
@@ -40,6 +42,8 @@ class StepPeak:
         """Bytes per kind at the peak (``activations`` only where measured)."""
         kinds = {"model_states": self.model_states, "gathered": self.gathered, "buckets": self.buckets}
         kinds["temporaries"] = self.temporaries
+        if self.secondary:
+            kinds["secondary"] = self.secondary
         if self.activations is not None:
             kinds["activations"] = self.activations
         return kinds

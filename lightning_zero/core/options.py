@@ -45,6 +45,9 @@ class EngineOptions:
             whole by one rank (see [Note: owner layout]).
         shard_size: hybrid sharding: shard inside groups of this many consecutive ranks (e.g. one node's) and
             replicate across the groups; ``None``: shard over every rank (see [Note: hybrid sharding]).
+        secondary_shard_size: stage 3 (ZeRO++ hpZ): after a unit's forward each rank keeps its part of the unit's
+            full buffer within a group of this many consecutive ranks (inside one node), from which backward gathers
+            the unit; ``None``: backward gathers over the whole gather group (see [Note: secondary shards]).
     """
 
     stage: int = 2
@@ -56,6 +59,7 @@ class EngineOptions:
     nvme_path: str | None = None
     partition: str = "flat"
     shard_size: int | None = None
+    secondary_shard_size: int | None = None
 
     def __post_init__(self) -> None:
         check_choice("stage", self.stage, STAGES, "stage=2")
@@ -64,6 +68,7 @@ class EngineOptions:
         check_bucket_cap_mb(self.bucket_cap_mb)
         check_bool("overlap_comm", self.overlap_comm)
         check_shard_size(self.shard_size)
+        check_secondary_shard_size(self.secondary_shard_size, self.stage)
         object.__setattr__(self, "wrap_policy", resolve_policy("wrap_policy", self.wrap_policy))
 
     def _check_offload(self) -> None:
@@ -103,6 +108,7 @@ class EngineOptions:
             "offload_params": self.offload_params,
             "partition": self.partition,
             "shard_size": self.shard_size,
+            "secondary_shard_size": self.secondary_shard_size,
         }
 
 
@@ -122,6 +128,28 @@ def check_shard_size(value: Any, world_size: int | None = None) -> None:
         raise ValueError(
             f"shard_size={value} does not divide world_size={world_size}: pick a divisor of {world_size} ({shown}) "
             "such as the number of processes per node."
+        )
+
+
+def check_secondary_shard_size(value: Any, stage: int, group_size: int | None = None) -> None:
+    """Raise a ``ValueError`` unless ``value`` is ``None`` or, at stage 3, a positive int (dividing ``group_size``,
+    the stage-3 gather group's size, where given)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"secondary_shard_size={value!r} is not supported; choose a positive int that divides the number of "
+            "processes per node (e.g. that number), or None."
+        )
+    if stage != 3:
+        raise ValueError(
+            f"secondary_shard_size={value} needs stage=3, got stage={stage}: only stage 3 frees parameters after "
+            "forward. Use stage=3 or secondary_shard_size=None."
+        )
+    if group_size is not None and group_size % value:
+        raise ValueError(
+            f"secondary_shard_size={value} does not divide the stage-3 gather group's {group_size} ranks (the world "
+            "size, or shard_size with hybrid sharding): pick a divisor of it, typically the processes per node."
         )
 
 

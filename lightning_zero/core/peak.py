@@ -4,9 +4,10 @@
 Model states (parameters, gradient shards, optimizer state and masters) are measured from the tensors a rank holds
 (core/memory.py). The core also allocates buffers that live for part of a step only: stage 3's gathered units
 (``gathered``: full unit buffers, prefetched ones included), gradient buckets (``buckets``: full-size staging
-buffers and reduce-scatter outputs) and the step's own temporaries (``temporaries``: the wide step gradients of a
-master copy, made by ``prepare`` and freed after the step). Each reports to one :class:`PeakLedger` where it is
-allocated and freed, as the bytes an owner holds now under a key; the ledger keeps the bytes held per kind and the
+buffers and reduce-scatter outputs), the step's own temporaries (``temporaries``: the wide step gradients of a
+master copy, made by ``prepare`` and freed after the step) and, with ``secondary_shard_size``, the slices units keep
+from forward to backward (``secondary``, see [Note: secondary shards]). Each reports to one :class:`PeakLedger` where
+it is allocated and freed, as the bytes an owner holds now under a key; the ledger keeps the bytes held per kind and the
 per-kind snapshot at the moment their sum was highest since :meth:`PeakLedger.reset` (``ZeroEngine.begin_iteration``).
 A report is integer arithmetic and a dict look-up, cheap enough to be always on. Buffer attributes report through
 :class:`Tracked`, so any assignment of such an attribute (a new staging buffer, ``None`` when it is freed) is
@@ -23,7 +24,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from torch import Tensor
 
-KINDS = ("gathered", "buckets", "temporaries")
+KINDS = ("gathered", "buckets", "temporaries")  # every engine's; "secondary" appears once a unit holds slices
 
 
 class PeakLedger:
@@ -44,7 +45,7 @@ class PeakLedger:
         if old is not None:
             self.current[old[0]] -= old[1]
             self._sum -= old[1]
-        self.current[kind] += nbytes
+        self.current[kind] = self.current.get(kind, 0) + nbytes
         self._sum += nbytes
         if self._sum > self._peak_sum:
             self._peak_sum = self._sum

@@ -71,9 +71,10 @@ def agree_on_model(
 def describe(
     options: EngineOptions, policy: PrecisionPolicy, agree_also: Sequence[tuple[str, object]], comm: Communicator
 ) -> list[tuple[str, object]]:
-    """The options every rank must agree on: the engine's, the dtypes and the caller's own; with ``shard_size`` also
-    the ranks per node (the shard groups are laid out by it)."""
-    layout = [("ranks_per_node", comm.ranks_per_node)] if options.shard_size is not None else []
+    """The options every rank must agree on: the engine's, the dtypes and the caller's own; with ``shard_size`` or
+    ``secondary_shard_size`` also the ranks per node (their groups are laid out by it)."""
+    grouped = options.shard_size is not None or options.secondary_shard_size is not None
+    layout = [("ranks_per_node", comm.ranks_per_node)] if grouped else []
     return sorted(options.describe().items()) + list(policy.describe().items()) + layout + list(agree_also)
 
 

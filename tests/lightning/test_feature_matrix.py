@@ -14,7 +14,8 @@ Factors (every legal pair of two factors' values occurs in some case, see ``test
   directory and saves over the existing names and link), or one keeping the best of every step (``save_top_k=1``);
 - ``overlap_comm`` on or off; ``bucket_cap_mb`` 25 or tiny (a bucket a parameter); ``shard_size`` ``None`` or 1
   (hybrid sharding with groups of one rank: the gradients are all-reduced across the replicas, one replica writes
-  the checkpoints).
+  the checkpoints); ``secondary_shard_size`` ``None`` or 1 (stage 3 only: each unit keeps a copy from forward to
+  backward, whose gathers read it, see [Note: secondary shards]).
 
 Each case ends with the same parameters as its oracle, a run doing the same maths: in fp32 Lightning's DDP with the
 model's oracle variant (a loss reaching every parameter with zeros where rank 1's does not; the weighted loss scaled
@@ -61,6 +62,7 @@ FACTORS: dict[str, tuple[Any, ...]] = {
     "overlap_comm": (True, False),  # reductions during backward and stage-3 prefetch, or neither
     "bucket_cap_mb": (25, 0.0005),  # one bucket a buffer, or one a parameter
     "shard_size": (None, 1),  # flat, or hybrid: each rank its own shard group, replicas all-reduce the gradients
+    "secondary_shard_size": (None, 1),  # stage 3: backward gathers from the slices kept after forward (a full copy)
 }
 OFFLOAD = {  # offload -> (offload_optimizer, offload_params)
     "none": (False, False),
@@ -70,12 +72,14 @@ OFFLOAD = {  # offload -> (offload_optimizer, offload_params)
     "params_nvme": ("nvme", "nvme"),
 }
 MATHS = ("precision", "weighted", "accumulate_clip", "uneven")  # what the oracle must share with a case
-PLAIN = {"overlap_comm": True, "bucket_cap_mb": 25, "shard_size": None}  # the oracle's other options
+PLAIN = {"overlap_comm": True, "bucket_cap_mb": 25, "shard_size": None, "secondary_shard_size": None}  # the oracle's
 
 
 def legal(case: dict[str, Any]) -> bool:
-    """Offloading parameters needs stage 3 (a ValueError otherwise, tested in tests/unit/test_config.py)."""
-    return not (str(case.get("offload", "")).startswith("params") and case.get("stage", 3) != 3)
+    """Offloading parameters and secondary shards need stage 3 (a ValueError otherwise, tested in
+    tests/unit/test_config.py and tests/distributed/test_secondary_shards.py)."""
+    stage3_only = str(case.get("offload", "")).startswith("params") or case.get("secondary_shard_size") is not None
+    return not (stage3_only and case.get("stage", 3) != 3)
 
 
 CASES = all_pairs(FACTORS, legal)
@@ -175,6 +179,7 @@ def _strategy(case: dict[str, Any], root: Path) -> pl.strategies.Strategy:
         overlap_comm=case["overlap_comm"],
         bucket_cap_mb=case["bucket_cap_mb"],
         shard_size=case["shard_size"],
+        secondary_shard_size=case["secondary_shard_size"],
         timeout=TIMEOUT,
     )
 

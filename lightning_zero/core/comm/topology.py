@@ -19,15 +19,21 @@ Stage 3 gathers unit parameters over a group of its own (the shard group's ranks
 gathers (fixed by the order units run in) and the order of gradient reductions (fixed by bucket index) never have
 to interleave identically on every rank: a rank whose backward needs fewer units than another's still issues the
 same gathers and the same reductions, each in its own order (see [Note: stage-3 backward plan]).
+
+With ``secondary_shard_size=s`` (stage 3, ZeRO++ hpZ) the gather group's ranks split further into *secondary
+groups* of s consecutive ranks, each inside one node, created last (every rank creates every one, in rank order):
+backward gathers a unit inside its secondary group from the slices its ranks kept after forward (see [Note:
+secondary shards]), again in a group of its own, so those gathers never leave the node.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 from lightning_zero.core.comm.communicator import CommStats, Communicator
-from lightning_zero.core.options import check_shard_size
+from lightning_zero.core.options import check_secondary_shard_size, check_shard_size
 
 
 @dataclass(frozen=True)
@@ -40,28 +46,42 @@ class Topology:
             parameter gathers, checkpoint layouts.
         gather: the shard group's ranks in a group of their own for stage-3 unit gathers (``shard`` below stage 3).
         replicate: the ranks holding the same shard in other shard groups (``None`` without ``shard_size``).
+        secondary: stage 3 with ``secondary_shard_size``: this rank's secondary group, for backward's gathers.
     """
 
     world: Communicator
     shard: Communicator
     gather: Communicator
     replicate: Communicator | None = None
+    secondary: Communicator | None = None
 
     @classmethod
-    def build(cls, world: Communicator, stage: int, shard_size: int | None = None) -> Topology:
-        """The groups for ``stage`` and ``shard_size`` (collective: it creates groups). Call it only once the ranks
-        agree on both (see [Note: hybrid sharding])."""
+    def build(
+        cls, world: Communicator, stage: int, shard_size: int | None = None, secondary_shard_size: int | None = None
+    ) -> Topology:
+        """The groups for ``stage``, ``shard_size`` and ``secondary_shard_size`` (collective: it creates groups).
+        Call it only once the ranks agree on them (see [Note: hybrid sharding])."""
         check_shard_size(shard_size, world.world_size)
+        group_size = world.world_size if shard_size is None else shard_size
+        check_secondary_shard_size(secondary_shard_size, stage, group_size)
+        if secondary_shard_size is not None:
+            _check_node_layout(world, secondary_shard_size, "secondary_shard_size", inside_only=True)
         if shard_size is None or shard_size == world.world_size:
-            return cls(world, world, world if stage < 3 else world.companion())
-        _check_node_layout(world, shard_size)
-        n, k = world.world_size, shard_size
-        shards = [world.ranks[g * k : (g + 1) * k] for g in range(n // k)]
-        shard = world.split(shards, "shard")
-        replicate = world.split([world.ranks[i::k] for i in range(k)], "replicate")
-        # Every rank creates every group (new_group is a collective of all ranks), so stage 3's gather groups are
-        # created as a second split, not as each shard group's companion.
-        return cls(world, shard, shard if stage < 3 else world.split(shards, "gather"), replicate)
+            topology = cls(world, world, world if stage < 3 else world.companion())
+        else:
+            _check_node_layout(world, shard_size)
+            n, k = world.world_size, shard_size
+            shards = [world.ranks[g * k : (g + 1) * k] for g in range(n // k)]
+            shard = world.split(shards, "shard")
+            replicate = world.split([world.ranks[i::k] for i in range(k)], "replicate")
+            # Every rank creates every group (new_group is a collective of all ranks), so stage 3's gather groups are
+            # created as a second split, not as each shard group's companion.
+            topology = cls(world, shard, shard if stage < 3 else world.split(shards, "gather"), replicate)
+        if secondary_shard_size is None:
+            return topology
+        s = secondary_shard_size
+        secondaries = [world.ranks[g * s : (g + 1) * s] for g in range(world.world_size // s)]
+        return dataclasses.replace(topology, secondary=world.split(secondaries, "secondary"))
 
     @property
     def writes(self) -> bool:
@@ -71,26 +91,30 @@ class Topology:
     def take_stats(self) -> CommStats:
         """What every group of the topology sent since the last call (and start counting again)."""
         stats = self.world.stats.reset()
-        for comm in {id(c): c for c in (self.shard, self.gather, self.replicate) if c is not None}.values():
+        groups = (self.shard, self.gather, self.replicate, self.secondary)
+        for comm in {id(c): c for c in groups if c is not None}.values():
             if comm is not self.world:
                 stats = stats.merged(comm.stats.reset())
         return stats
 
 
-def _check_node_layout(world: Communicator, shard_size: int) -> None:
-    """Raise the same ``ValueError`` on every rank where the launch's nodes and the shard groups do not line up: a
-    shard group must lie inside one node or span whole nodes, and ranks must be numbered node by node."""
+def _check_node_layout(world: Communicator, size: int, option: str = "shard_size", inside_only: bool = False) -> None:
+    """Raise the same ``ValueError`` on every rank where the launch's nodes and the groups of ``size`` consecutive
+    ranks (``option``'s) do not line up: a group must lie inside one node or (unless ``inside_only``) span whole
+    nodes, and ranks must be numbered node by node."""
     per_node = world.ranks_per_node
     local_rank = os.environ.get("LOCAL_RANK")
+    groups = option.removesuffix("_size").replace("_", " ") + " groups"  # "shard groups", "secondary shard groups"
     mine = None
-    if per_node % shard_size and shard_size % per_node:
+    if per_node % size and (inside_only or size % per_node):
+        multiple = "" if inside_only else f" or a multiple of {per_node}"
         mine = (
-            f"shard_size={shard_size} does not fit nodes of {per_node} ranks: a shard group would straddle two "
-            f"nodes. Use a divisor or a multiple of {per_node}, typically {per_node} (one node)."
+            f"{option}={size} does not fit nodes of {per_node} ranks: a {groups[:-1]} would straddle two nodes. "
+            f"Use a divisor{multiple} of {per_node}, typically {per_node} (one node)."
         )
     elif local_rank is not None and int(local_rank) != world.global_rank % per_node:
         mine = (
-            f"rank {world.global_rank} has LOCAL_RANK={local_rank}, but shard groups of consecutive ranks assume "
+            f"rank {world.global_rank} has LOCAL_RANK={local_rank}, but {groups} of consecutive ranks assume "
             f"ranks numbered node by node ({per_node} per node: local rank {world.global_rank % per_node}). Launch "
             "with torchrun, SLURM or Lightning's launcher, which number ranks that way."
         )

@@ -339,14 +339,20 @@ class ShardedBuffer(FlatParamBuffer):
 
     def start_unshard(self, comm: Communicator) -> Work | None:
         """Give the full buffer its memory back and start gathering every rank's shard into it."""
+        shard = self.shard.to(self.data.device, non_blocking=True)
+        return self.start_gather_from(shard, comm, self.layout.uneven_sizes)
+
+    def start_gather_from(self, part: Tensor, comm: Communicator, sizes: Sequence[int] | None) -> Work | None:
+        """Give the full buffer its memory back and start gathering every rank of ``comm``'s ``part`` of it (rank
+        ``r``'s has ``sizes[r]`` elements, all alike where ``None``) into it: the shards, or the secondary slices (see
+        [Note: secondary shards])."""
         storage = self.data.untyped_storage()
         storage.resize_(self.layout.padded_numel * self.data.element_size())
         # The gather writes back the values autograd saved in forward. It writes through an alias of the
         # storage with a version counter of its own, so backward does not take it for an in-place change of
         # the saved views (the values are the same: see [Note: freeing gathered storage]).
         target = torch.empty(0, dtype=self.data.dtype, device=self.data.device).set_(storage, 0, self.data.shape)
-        shard = self.shard.to(self.data.device, non_blocking=True)
-        return comm.all_gather(target, shard, async_op=True, sizes=self.layout.uneven_sizes)
+        return comm.all_gather(target, part, async_op=True, sizes=sizes)
 
     def commit_shard(self) -> None:
         """Keep this rank's part of the full buffer as the shard and free the rest (setup)."""

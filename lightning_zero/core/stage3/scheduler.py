@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.stage3.divergence import GatherSequence
+from lightning_zero.core.stage3.secondary import SecondaryShards
 from lightning_zero.core.stage3.units import GatherUnit
 from lightning_zero.core.store.stores import ShardStore
 
@@ -51,6 +52,8 @@ class Stage3Scheduler:
         prefetch: start the next unit's gather early (``overlap_comm``).
         on_passed_over: called with the units a backward issued the gathers of on its way to a later plan entry
             (see [Note: units a backward passes over]).
+        secondary: the secondary group (``secondary_shard_size``): units keep their slices of it from forward to
+            backward, whose gathers read them (see [Note: secondary shards]).
     """
 
     def __init__(
@@ -59,8 +62,11 @@ class Stage3Scheduler:
         comm: Communicator,
         prefetch: bool,
         on_passed_over: Callable[[list[GatherUnit]], None] = lambda units: None,
+        secondary: Communicator | None = None,
     ) -> None:
         self.units = units
+        for unit in units[:-1] if secondary is not None else ():  # the root stays gathered from forward to backward
+            unit.secondary = SecondaryShards(secondary)
         self.root = units[-1]
         self.comm = comm
         self.prefetch = prefetch
@@ -98,6 +104,7 @@ class Stage3Scheduler:
         self._clear_plan()
         for unit in self.units[:-1]:
             unit.reshard()
+            unit.drop_secondary()
 
     def _clear_plan(self) -> None:
         self._plan_open = False
@@ -113,17 +120,21 @@ class Stage3Scheduler:
             unit.remove_hooks()
 
     # ------------------------------------------------------------------ between steps
-    def _start(self, unit: GatherUnit, check: bool = True) -> None:
+    def _start(self, unit: GatherUnit, check: bool = True, backward: bool = False) -> None:
         """Start gathering ``unit`` (a no-op when gathered or started, on every rank alike). With ``check``, once every
         rank agreed that it gathers this unit now (see [Note: divergent control flow at stage 3]); the gathers of a
-        backward plan need no check: every rank derives the same plan and issues its entries in order."""
+        backward plan need no check: every rank derives the same plan and issues its entries in order. A
+        ``backward`` gather reads the unit's secondary slices where it kept some (see [Note: secondary shards])."""
         if unit.buffers and not unit.gathered_or_pending:  # a unit without parameters gathers nothing, anywhere
             if check:
                 self.sequence.check(self._index[unit])
-            unit.start_unshard(self.comm)
+            if backward:
+                unit.start_backward_unshard(self.comm)
+            else:
+                unit.start_unshard(self.comm)
 
-    def _unshard(self, unit: GatherUnit) -> None:
-        self._start(unit)
+    def _unshard(self, unit: GatherUnit, backward: bool = False) -> None:
+        self._start(unit, backward=backward)
         unit.wait()
 
     def begin_iteration(self) -> None:
@@ -136,6 +147,7 @@ class Stage3Scheduler:
         self._seen, self._forward_cursor = [], 0
         for unit in self.units:
             unit.reshard()
+            unit.drop_secondary()
 
     def unshard_root(self) -> None:
         """Gather the root unit: Lightning's step methods use it without calling the root's forward."""
@@ -148,6 +160,7 @@ class Stage3Scheduler:
             self._recorded = []
         for unit in self.units:
             unit.reshard()
+            unit.drop_secondary()
         if self._seen:
             self._order, self._seen = self._seen, []
         self._forward_cursor = 0
@@ -187,6 +200,7 @@ class Stage3Scheduler:
                     store.sync_from_params()
             for unit in self.units:
                 unit.reshard()
+                unit.drop_secondary()  # written back: slices cut before would be stale
 
     # ------------------------------------------------------------------ forward
     def _pre_forward_hook(self, unit: GatherUnit) -> Callable[..., None]:
@@ -210,6 +224,7 @@ class Stage3Scheduler:
                     if not recomputing and not unit.is_root:
                         self._recorded.append(unit)
                         self._hook_inputs(unit, args)
+                        unit.keep_secondary()  # a plan entry: its backward gathers from the slices
             if not recomputing and not (unit.is_root and torch.is_grad_enabled()):
                 unit.reshard()
             return output
@@ -323,10 +338,10 @@ class Stage3Scheduler:
                 self.on_passed_over(passed)
             if self.prefetch and self._cursor < len(self._plan):
                 self._issue_next()
-                if self._cursor < len(self._plan):
+                if self._cursor < len(self._plan) and not self._plan[self._cursor].holds_secondary:
                     self._plan[self._cursor].read_ahead()
         elif not self._plan_open:
-            self._unshard(unit)  # no backward was announced: gathered when needed (see the note)
+            self._unshard(unit, backward=True)  # no backward was announced: gathered when needed (see the note)
         elif not unit.gathered_or_pending:
             raise RuntimeError(
                 f"ZeroStrategy(stage=3): unit {unit.name!r} is needed by this backward pass, but no forward since the "
@@ -340,7 +355,7 @@ class Stage3Scheduler:
         unit = self._plan[self._cursor]
         self._cursor += 1
         self._remaining[unit] -= 1
-        self._start(unit, check=False)  # issues nothing when still gathered, on every rank alike
+        self._start(unit, check=False, backward=True)  # issues nothing when still gathered, on every rank alike
         return unit
 
     def _pass_ended(self) -> None:
@@ -374,6 +389,8 @@ class Stage3Scheduler:
         self._remove_grad_hooks(spent_only=True)
         for unit in self.units if not self._root_held else self.units[:-1]:
             unit.reshard()
+        for unit in self.units:
+            unit.drop_secondary()
         if self._seen:
             self._order, self._seen = self._seen, []
         self._forward_cursor = 0

@@ -21,8 +21,10 @@ a weight also used detached), or, where its inputs need no gradient, once all it
 theirs; at the end of backward when it holds frozen parameters, or when a ``create_graph`` backward (a
 gradient penalty) reached it, whose graph the backward runs through again. The root stays gathered from the
 start of a training step to the end of its backward (in Lightning's manual optimization, to the end of the
-step). Gradients go through the same buckets as stage 2: one per buffer, reduce-scattered into the shard.
-Between uses every parameter rests (see [Note: stage-3 parameters at rest]).
+step). With ``secondary_shard_size`` a unit whose backward will come keeps a slice of its parameters from forward
+to backward, which its backward gathers from (see [Note: secondary shards]). Gradients go through the same buckets
+as stage 2: one per buffer, reduce-scattered into the shard. Between uses every parameter rests (see [Note: stage-3
+parameters at rest]).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from lightning_zero.core.layout.flat_buffer import ShardedBuffer, ShardedState
 from lightning_zero.core.layout.resting import engine_access
 from lightning_zero.core.options import WrapPolicy
 from lightning_zero.core.peak import DETACHED, PeakLedger
+from lightning_zero.core.stage3.secondary import SecondaryShards
 
 
 def select_units(root: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
@@ -211,6 +214,9 @@ class GatherUnit:
         self.holds_frozen = any(not p.requires_grad for b in buffers for p in b.params)
         self._pending: list[Work | None] = []  # gathers started and not waited for, one per buffer
         self._handles: list[RemovableHandle] = []
+        # With secondary_shard_size: the slices kept from forward to backward (see [Note: secondary shards]).
+        self.secondary: SecondaryShards | None = None
+        self._from_secondary = False  # the pending gathers read the secondary slices: drop them once complete
 
     def register_hooks(self, pre_forward: Callable[..., Any], post_forward: Callable[..., Any]) -> None:
         """Call the scheduler around the module's forward (again, after :meth:`remove_hooks`)."""
@@ -240,6 +246,36 @@ class GatherUnit:
                 self._pending = [buffer.start_unshard(comm) for buffer in self.buffers]
             self._count()
 
+    def start_backward_unshard(self, comm: Communicator) -> None:
+        """:meth:`start_unshard` for backward: from the secondary slices where they are kept, inside the secondary
+        group (see [Note: secondary shards])."""
+        if not self.holds_secondary or self.gathered_or_pending:
+            self.start_unshard(comm)
+            return
+        assert self.secondary is not None
+        with engine_access():
+            self._pending = self.secondary.start_gather(self.buffers)  # type: ignore[arg-type]
+        self._from_secondary = True
+        self._count()
+
+    @property
+    def holds_secondary(self) -> bool:
+        return self.secondary is not None and self.secondary.held
+
+    def keep_secondary(self) -> None:
+        """Keep this rank's secondary slices of the gathered buffers (after forward, before :meth:`reshard`)."""
+        if self.secondary is not None and self.buffers:
+            self.secondary.keep(self.buffers)  # type: ignore[arg-type]
+            self._count()
+
+    def drop_secondary(self) -> None:
+        """Free the secondary slices (a backward's plan is over or forgotten); a gather reading them completes first."""
+        if self.holds_secondary:
+            self.wait()
+            assert self.secondary is not None
+            self.secondary.drop()
+            self._count()
+
     def read_ahead(self) -> None:
         """Start reading shards that rest on disk (``offload_params="nvme"``): the unit is gathered next."""
         for buffer in self.buffers:
@@ -255,6 +291,9 @@ class GatherUnit:
         for work in pending:
             if work is not None:
                 work.wait()
+        if self._from_secondary:  # the backward's gather read them: they are spent
+            self._from_secondary = False
+            self.drop_secondary()
 
     def write_back(self) -> None:
         for buffer in self.buffers:
@@ -271,6 +310,8 @@ class GatherUnit:
         """Tell the ledger the bytes of full buffers this unit holds now."""
         for buffer in self.buffers:
             self.ledger.hold("gathered", (id(buffer), "gathered"), buffer.data.untyped_storage().nbytes())
+        if self.secondary is not None:
+            self.ledger.hold("secondary", (id(self), "secondary"), self.secondary.nbytes)
 
 
 class UnitHook:
