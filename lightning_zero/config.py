@@ -100,6 +100,7 @@ def zero_config(
     timeout: timedelta,
     weighted_loss: bool,
     secondary_shard_size: int | None = None,
+    quantize_gradients: bool = False,
 ) -> ZeroConfig:
     """The configuration of the keyword arguments that ``ZeroStrategy`` and ``ZeroFabricStrategy`` both take."""
     engine = EngineOptions(
@@ -113,6 +114,7 @@ def zero_config(
         partition=partition,
         shard_size=shard_size,
         secondary_shard_size=secondary_shard_size,
+        quantize_gradients=quantize_gradients,
     )
     return ZeroConfig(
         engine,

@@ -72,6 +72,7 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         weighted_loss: bool = False,
         secondary_shard_size: int | None = None,
+        quantize_gradients: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

@@ -67,6 +67,8 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         secondary_shard_size: stage 3 (ZeRO++ hpZ): after forward keep each unit's parameters sharded over groups
             of this many ranks inside a node, so that backward's gathers never leave the node; costs
             1/secondary_shard_size of the units' parameters per rank until backward (see docs/configuration.md).
+        quantize_gradients: reduce gradients inside each node, then send them across nodes as int8 with block
+            scales, unbiased (stochastic rounding); see docs/configuration.md. Changes nothing on one node.
 
     Raises:
         ValueError: for an invalid option, naming the option, the value and the fix.
@@ -90,6 +92,7 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         weighted_loss: bool = False,
         secondary_shard_size: int | None = None,
+        quantize_gradients: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

@@ -124,7 +124,9 @@ class ZeroEngine:
         # The first collective of setup, then everything that depends on an option: see [Note: the order of collectives]
         setup.agree_on_model(comm, module, self.optimizers, setup.describe(options, self.policy, agree_also, comm))
         # Groups are created only once the ranks agree (see [Note: hybrid sharding]).
-        self.topology = Topology.build(comm, options.stage, options.shard_size, options.secondary_shard_size)
+        self.topology = Topology.build(
+            comm, options.stage, options.shard_size, options.secondary_shard_size, options.quantize_gradients
+        )
         shard = self.topology.shard
         if options.stage < 3:
             setup.broadcast_module_states(module, comm)

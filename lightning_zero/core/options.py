@@ -48,6 +48,9 @@ class EngineOptions:
         secondary_shard_size: stage 3 (ZeRO++ hpZ): after a unit's forward each rank keeps its part of the unit's
             full buffer within a group of this many consecutive ranks (inside one node), from which backward gathers
             the unit; ``None``: backward gathers over the whole gather group (see [Note: secondary shards]).
+        quantize_gradients: gradients are reduced inside each node first and cross nodes as int8 with block scales,
+            rounded stochastically so the sum stays unbiased (see [Note: quantized gradient reduction]); on one node
+            it changes nothing.
     """
 
     stage: int = 2
@@ -60,6 +63,7 @@ class EngineOptions:
     partition: str = "flat"
     shard_size: int | None = None
     secondary_shard_size: int | None = None
+    quantize_gradients: bool = False
 
     def __post_init__(self) -> None:
         check_choice("stage", self.stage, STAGES, "stage=2")
@@ -69,6 +73,13 @@ class EngineOptions:
         check_bool("overlap_comm", self.overlap_comm)
         check_shard_size(self.shard_size)
         check_secondary_shard_size(self.secondary_shard_size, self.stage)
+        check_bool("quantize_gradients", self.quantize_gradients)
+        if self.quantize_gradients and self.partition == "parameter":
+            raise ValueError(
+                "quantize_gradients=True needs partition='flat', got partition='parameter': whole-tensor owners hold "
+                "uneven parts, which the hierarchical quantized reduction does not split. Use partition='flat' or "
+                "quantize_gradients=False."
+            )
         object.__setattr__(self, "wrap_policy", resolve_policy("wrap_policy", self.wrap_policy))
 
     def _check_offload(self) -> None:
@@ -109,6 +120,7 @@ class EngineOptions:
             "partition": self.partition,
             "shard_size": self.shard_size,
             "secondary_shard_size": self.secondary_shard_size,
+            "quantize_gradients": self.quantize_gradients,
         }
 
 

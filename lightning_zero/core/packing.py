@@ -29,6 +29,7 @@ from lightning_zero.core.options import WrapPolicy
 from lightning_zero.core.shards import BufferGroup
 from lightning_zero.core.stage3.units import GatherUnit, assign_params, initialise, materialize_buffers, select_units
 from lightning_zero.core.step.buckets import GradBucket
+from lightning_zero.core.step.quantized_reduction import QuantizedReduction
 from lightning_zero.core.step.reduction import GradientReduction
 from lightning_zero.core.step.shard_bucket import ShardGradBucket
 from lightning_zero.core.store.offload import Offload
@@ -66,7 +67,7 @@ class Packer:
         self.owners = owners
         self.names = names
         self.shard, self.world = topology.shard, topology.world
-        self.reduction = GradientReduction(topology.shard, topology.replicate)
+        self.reduction = GradientReduction(topology.shard, topology.replicate, QuantizedReduction.of(topology))
         self.device = device
         self.policy = policy
         self.bucket_cap_bytes = bucket_cap_bytes

@@ -72,8 +72,8 @@ def describe(
     options: EngineOptions, policy: PrecisionPolicy, agree_also: Sequence[tuple[str, object]], comm: Communicator
 ) -> list[tuple[str, object]]:
     """The options every rank must agree on: the engine's, the dtypes and the caller's own; with ``shard_size`` or
-    ``secondary_shard_size`` also the ranks per node (their groups are laid out by it)."""
-    grouped = options.shard_size is not None or options.secondary_shard_size is not None
+    ``secondary_shard_size`` or ``quantize_gradients`` also the ranks per node (their groups are laid out by it)."""
+    grouped = options.shard_size is not None or options.secondary_shard_size is not None or options.quantize_gradients
     layout = [("ranks_per_node", comm.ranks_per_node)] if grouped else []
     return sorted(options.describe().items()) + list(policy.describe().items()) + layout + list(agree_also)
 

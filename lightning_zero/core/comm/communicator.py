@@ -165,19 +165,37 @@ class Communicator:
         return _finish(work, async_op)
 
     def all_gather(
-        self, output: Tensor, input: Tensor, async_op: bool = False, sizes: Sequence[int] | None = None
+        self,
+        output: Tensor,
+        input: Tensor,
+        async_op: bool = False,
+        sizes: Sequence[int] | None = None,
+        label: str = "all_gather",
     ) -> Work | None:
         """Concatenate every rank's ``input`` into ``output`` (``input`` may be this rank's part of it); with
-        ``sizes``, rank ``r``'s input has ``sizes[r]`` elements (see [Note: uneven collectives])."""
+        ``sizes``, rank ``r``'s input has ``sizes[r]`` elements (see [Note: uneven collectives]). Counted under
+        ``label``."""
         if self._on_host(output, input):  # see [Note: host tensors on NCCL]
             staged = torch.empty_like(output, device=self._nccl_device)
-            self.all_gather(staged, input.to(self._nccl_device), sizes=sizes)
+            self.all_gather(staged, input.to(self._nccl_device), sizes=sizes, label=label)
             return _copied_back(output, staged, async_op)
-        self.stats.add("all_gather", output.numel() * output.element_size())
+        self.stats.add(label, output.numel() * output.element_size())
         what = self._what("all-gather", output)
         if sizes is not None:
             return self._uneven(what, "broadcast", output, input, sizes, async_op)
         work = self._guarded(what, _all_gather_single, output, input, group=self.group, async_op=True)
+        return _finish(work, async_op)
+
+    def all_to_all(
+        self, output: Tensor, input: Tensor, label: str = "all_to_all", async_op: bool = False
+    ) -> Work | None:
+        """Send the ``r``-th of ``world_size`` equal parts of the 1-D ``input`` to rank ``r``; ``output`` receives
+        every rank's part for this rank, in rank order. Counted as ``input``'s bytes under ``label``: each rank
+        sends ``1/world_size`` of them to each peer, as [Note: counting communication] assumes. Device tensors
+        only (the gradient buckets')."""
+        self.stats.add(label, input.numel() * input.element_size())
+        what = self._what("all-to-all", input)
+        work = self._guarded(what, dist.all_to_all_single, output, input, group=self.group, async_op=True)
         return _finish(work, async_op)
 
     def all_reduce(

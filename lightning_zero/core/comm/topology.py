@@ -24,6 +24,10 @@ With ``secondary_shard_size=s`` (stage 3, ZeRO++ hpZ) the gather group's ranks s
 groups* of s consecutive ranks, each inside one node, created last (every rank creates every one, in rank order):
 backward gathers a unit inside its secondary group from the slices its ranks kept after forward (see [Note:
 secondary shards]), again in a group of its own, so those gathers never leave the node.
+
+``quantize_gradients`` over several nodes reduces gradients in ``node`` and ``cross`` groups (see [Note: quantized
+gradient reduction]): with ``shard_size`` they are the shard and replicate groups; without it they are created after
+every other group, the nodes' groups in node order, then the groups of each local index.
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ class Topology:
         gather: the shard group's ranks in a group of their own for stage-3 unit gathers (``shard`` below stage 3).
         replicate: the ranks holding the same shard in other shard groups (``None`` without ``shard_size``).
         secondary: stage 3 with ``secondary_shard_size``: this rank's secondary group, for backward's gathers.
+        node: with ``quantize_gradients`` over more than one node, the group a gradient bucket is reduce-scattered
+            in first, exactly: this rank's node (the shard group with ``shard_size``); ``None``: gradients travel
+            exact (see [Note: quantized gradient reduction] in core/step/quantized_reduction.py).
+        cross: with ``node``, the group the quantized partial sums cross nodes in: the ranks of the same local
+            index on every node (the replicate group with ``shard_size``).
     """
 
     world: Communicator
@@ -54,13 +63,20 @@ class Topology:
     gather: Communicator
     replicate: Communicator | None = None
     secondary: Communicator | None = None
+    node: Communicator | None = None
+    cross: Communicator | None = None
 
     @classmethod
     def build(
-        cls, world: Communicator, stage: int, shard_size: int | None = None, secondary_shard_size: int | None = None
+        cls,
+        world: Communicator,
+        stage: int,
+        shard_size: int | None = None,
+        secondary_shard_size: int | None = None,
+        quantize_gradients: bool = False,
     ) -> Topology:
-        """The groups for ``stage``, ``shard_size`` and ``secondary_shard_size`` (collective: it creates groups).
-        Call it only once the ranks agree on them (see [Note: hybrid sharding])."""
+        """The groups for ``stage``, ``shard_size``, ``secondary_shard_size`` and ``quantize_gradients`` (collective:
+        it creates groups). Call it only once the ranks agree on them (see [Note: hybrid sharding])."""
         check_shard_size(shard_size, world.world_size)
         group_size = world.world_size if shard_size is None else shard_size
         check_secondary_shard_size(secondary_shard_size, stage, group_size)
@@ -77,11 +93,31 @@ class Topology:
             # Every rank creates every group (new_group is a collective of all ranks), so stage 3's gather groups are
             # created as a second split, not as each shard group's companion.
             topology = cls(world, shard, shard if stage < 3 else world.split(shards, "gather"), replicate)
-        if secondary_shard_size is None:
-            return topology
-        s = secondary_shard_size
-        secondaries = [world.ranks[g * s : (g + 1) * s] for g in range(world.world_size // s)]
-        return dataclasses.replace(topology, secondary=world.split(secondaries, "secondary"))
+        if secondary_shard_size is not None:
+            s = secondary_shard_size
+            secondaries = [world.ranks[g * s : (g + 1) * s] for g in range(world.world_size // s)]
+            topology = dataclasses.replace(topology, secondary=world.split(secondaries, "secondary"))
+        return topology._with_node_groups() if quantize_gradients else topology
+
+    def _with_node_groups(self) -> Topology:
+        """``quantize_gradients``: the groups of its two hops, created last (collective); on one node none, as
+        nothing crosses nodes there."""
+        world, per_node = self.world, self.world.ranks_per_node
+        nodes = -(-world.world_size // per_node)
+        if nodes == 1:
+            return self
+        if self.replicate is not None:
+            return dataclasses.replace(self, node=self.shard, cross=self.replicate)
+        if world.world_size % per_node:  # the same on every rank: they agreed on ranks_per_node
+            raise ValueError(
+                f"quantize_gradients=True needs every node to run the same number of ranks, but world_size="
+                f"{world.world_size} is not a multiple of {per_node} ranks per node (LOCAL_WORLD_SIZE). Launch as "
+                "many processes on every node, or pass quantize_gradients=False."
+            )
+        _check_node_layout(world, per_node, "node_size")  # "node groups of consecutive ranks assume ..."
+        node = world.split([world.ranks[g * per_node : (g + 1) * per_node] for g in range(nodes)], "node")
+        cross = world.split([world.ranks[i::per_node] for i in range(per_node)], "cross")
+        return dataclasses.replace(self, node=node, cross=cross)
 
     @property
     def writes(self) -> bool:
@@ -91,7 +127,7 @@ class Topology:
     def take_stats(self) -> CommStats:
         """What every group of the topology sent since the last call (and start counting again)."""
         stats = self.world.stats.reset()
-        groups = (self.shard, self.gather, self.replicate, self.secondary)
+        groups = (self.shard, self.gather, self.replicate, self.secondary, self.node, self.cross)
         for comm in {id(c): c for c in groups if c is not None}.values():
             if comm is not self.world:
                 stats = stats.merged(comm.stats.reset())

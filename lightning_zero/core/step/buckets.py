@@ -45,6 +45,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_zero.core.comm import Communicator, Work
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
 from lightning_zero.core.peak import DETACHED, PeakLedger
+from lightning_zero.core.step.quantized_reduction import NodeReduced
 from lightning_zero.core.step.reduction import GradientReduction
 
 
@@ -77,7 +78,7 @@ class GradBucket(ABC):
         self.locally_used = [False] * len(buffer.params)  # got a gradient here since the last reduction
         self._arrived = [False] * len(buffer.params)  # got a gradient in the current backward pass
         self._missing = len(buffer.params)
-        self._work: Work | None = None
+        self._work: Work | NodeReduced | None = None
         self._replica_work: Work | None = None  # the all-reduce across replicas (see core/step/reduction.py)
 
     @property
@@ -151,10 +152,11 @@ class GradBucket(ABC):
         """Wait for the reduce-scatter in flight, if any; the full-size staging memory can go right away, and the
         all-reduce across replicas starts (waited for by :meth:`finish`)."""
         if self._work is not None:
-            self._work.wait()
+            work = self._work
+            work.wait()
             self._work = None
             self._release_staging()
-            self._replica_work = self.reduction.start_across_replicas(self._reduction_result())
+            self._replica_work = self.reduction.start_across_replicas(self._reduction_result(), work)
             if self._replica_work is None:
                 self._settle_reduced()
 

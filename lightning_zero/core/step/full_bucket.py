@@ -107,11 +107,11 @@ class FullGradBucket(GradBucket):
         # Divide before summing, as DDP does, so the result matches it and fp16 sums stay in range.
         if self.reduce_dtype == self.full_grad.dtype:
             self.full_grad.div_(self.reduction.world_size)
-            self._work = self.comm.reduce_scatter(self.shard_grad, self.full_grad, async_op=True, sizes=self._sizes)
+            self._work = self.reduction.reduce_scatter(self.shard_grad, self.full_grad, self._sizes)
             return
         self._staging = self.full_grad.to(self.reduce_dtype).div_(self.reduction.world_size)
         self._output = torch.empty(self.shard_grad.numel(), dtype=self.reduce_dtype, device=self.full_grad.device)
-        self._work = self.comm.reduce_scatter(self._output, self._staging, async_op=True, sizes=self._sizes)
+        self._work = self.reduction.reduce_scatter(self._output, self._staging, self._sizes)
 
     @property
     def _sizes(self) -> tuple[int, ...] | None:

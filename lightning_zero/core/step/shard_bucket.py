@@ -127,9 +127,7 @@ class ShardGradBucket(GradBucket):
             self._clean = False
         else:
             self._output = torch.empty(self._shape[1], dtype=self.reduce_dtype, device=self.device)
-        self._work = self.comm.reduce_scatter(
-            self._output, staging, async_op=True, sizes=self.buffer.layout.uneven_sizes
-        )
+        self._work = self.reduction.reduce_scatter(self._output, staging, self.buffer.layout.uneven_sizes)
 
     def _release_staging(self) -> None:
         self.staging = None

@@ -1,0 +1,252 @@
+"""``quantize_gradients`` (ZeRO++'s qgZ) on 4 gloo ranks numbered as 2 nodes x 2, flat and with ``shard_size=2``:
+the reduction is unbiased (the mean over many reductions of one bucket converges to the exact sum), training stays
+close to unquantized at stages 1-3, the bytes across nodes equal the formula, an fp16 overflow skips the step on
+every rank, and on one node the option changes nothing, bit for bit. One spawn for 2 nodes, one for 1 node.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero.core.comm import Communicator
+from lightning_zero.core.comm.quantize import QUANT_BLOCK, quantized_nbytes
+from lightning_zero.core.comm.topology import Topology
+from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.mixed_precision import DynamicLossScaler, PrecisionPolicy
+from lightning_zero.core.options import EngineOptions
+from lightning_zero.core.step.quantized_reduction import QuantizedReduction
+from tests.distributed.models import TinyLM, batch, loss_fn
+from tests.helpers import run_on_ranks
+
+WORLD_SIZE, NODES, LOCAL = 4, 2, 2
+STEPS = 3
+SHARD = 300  # elements per rank in the direct reduction test: one whole block and a partial one
+TRIALS = 300
+# Relative difference of the parameter update (quantized vs exact, SGD, 3 steps): measured about 0.3-0.6%.
+UPDATE_TOLERANCE = 0.03
+
+
+def _engine(stage: int, quantize: bool, shard_size: int | None = None, **kwargs: Any) -> ZeroEngine:
+    torch.manual_seed(0)
+    model = TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    options = EngineOptions(
+        stage=stage,
+        bucket_cap_mb=0.001,
+        wrap_policy={nn.Linear} if stage == 3 else None,
+        shard_size=shard_size,
+        quantize_gradients=quantize,
+    )
+    return ZeroEngine(model, [optimizer], options, Communicator(), **kwargs)
+
+
+def _train(rank: int, stage: int, quantize: bool, shard_size: int | None = None) -> dict[str, Any]:
+    """SGD for STEPS steps; the full parameters at the start and the end, and the last step's communication."""
+    engine = _engine(stage, quantize, shard_size)
+    optimizer = engine.optimizers[0]
+    with engine.gathered():
+        start = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    for step in range(STEPS):
+        engine.begin_iteration()
+        optimizer.zero_grad()
+        loss_fn(engine.module, *batch(seed=10 * step + rank)).backward()
+        engine.finish_backward()
+        optimizer.step()
+    stats = engine.last_step_comm
+    with engine.gathered():
+        end = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    shards = [b.layout.shard_numel for b in engine.model.buffers if b.params[0].requires_grad]
+    engine.release()
+    return {
+        "start": start,
+        "end": end,
+        "by_op": dict(stats.by_op),
+        "by_group": dict(stats.by_group),
+        "inter": stats.inter_node_bytes,
+        "shards": shards,
+    }
+
+
+def _unbiased(rank: int, shard_size: int | None) -> dict[str, Any]:
+    """One bucket of WORLD_SIZE x SHARD elements per rank, reduced TRIALS times: this rank's shard each time."""
+    world = Communicator()
+    topology = Topology.build(world, 2, shard_size, quantize_gradients=True)
+    reduction = QuantizedReduction.of(topology)
+    assert reduction is not None
+    n = SHARD * (WORLD_SIZE if shard_size is None else shard_size)
+    inputs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) * (1 + r) for r in range(WORLD_SIZE)]
+    exact = torch.stack(inputs).double().sum(0)
+    if shard_size is None:
+        mine = exact[rank * SHARD : (rank + 1) * SHARD]
+    else:
+        mine = exact[rank % shard_size * SHARD : (rank % shard_size + 1) * SHARD]
+    total, first = torch.zeros(SHARD, dtype=torch.float64), None
+    for _ in range(TRIALS):
+        output = torch.empty(SHARD)
+        reduced = reduction.start(output, inputs[rank].clone())
+        reduced.wait()
+        reduction.across(output, reduced).wait()
+        first = output.clone() if first is None else first
+        total += output.double()
+    # At least the largest block scale of what travels (a node's partial sums): bounds a rounding's error.
+    partials = [sum(inputs[r] for r in range(node * LOCAL, (node + 1) * LOCAL)) for node in range(NODES)]
+    scale = max(float(p.abs().max()) for p in partials) / 127
+    return {
+        "mean_error": float((total / TRIALS - mine).abs().max()),
+        "one_error": float((first.double() - mine).abs().max()),
+        "scale": scale,
+        "first": first,
+        "nodes_in_cross": reduction.cross.world_size,
+    }
+
+
+def _overflow(rank: int, quantize: bool) -> dict[str, Any]:
+    """fp16 with a dynamic loss scale; at step 1 one element of rank 1's gradient is inf."""
+    results = {}
+    for stage in (1, 2, 3):
+        policy = PrecisionPolicy(torch.float16, torch.float32, torch.float32)
+        scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=100)
+        engine = _engine(stage, quantize, precision=policy, loss_scaler=scaler)
+        model, optimizer = engine.module, engine.optimizers[0]
+        states = []
+        for step in range(3):
+            engine.begin_iteration()
+            optimizer.zero_grad()
+            handle = None
+            if step == 1 and rank == 1:
+                handle = model.c.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([2]), float("inf")))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(model, *batch(10 * step + rank))
+            engine.scale_loss(loss).backward()
+            engine.finish_backward()
+            if handle is not None:
+                handle.remove()
+            optimizer.step()
+            states.append(engine.full_state_dict(keep=True))
+        results[stage] = {"skipped": scaler.skipped_steps, "scale": scaler.scale, "states": states}
+        engine.release()
+    return results
+
+
+def _two_nodes(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"unbiased/flat": _unbiased(rank, None), "unbiased/hybrid": _unbiased(rank, 2)}
+    for stage in (1, 2, 3):
+        out[f"plain/{stage}"] = _train(rank, stage, False)
+        out[f"quantized/{stage}"] = _train(rank, stage, True)
+        out[f"plain-hybrid/{stage}"] = _train(rank, stage, False, shard_size=2)
+        out[f"quantized-hybrid/{stage}"] = _train(rank, stage, True, shard_size=2)
+    out["overflow"] = _overflow(rank, True)
+    return out
+
+
+def _one_node(rank: int, world_size: int) -> dict[str, Any]:
+    return {
+        f"{kind}/{stage}": _train(rank, stage, kind == "quantized")
+        for stage in (1, 2, 3)
+        for kind in ("plain", "quantized")
+    }
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> list[dict[str, Any]]:
+    return run_on_ranks(_two_nodes, WORLD_SIZE, nodes=NODES, timeout_s=300)
+
+
+def _update_difference(plain: dict[str, Any], quantized: dict[str, Any]) -> float:
+    """|quantized update - exact update| / |exact update| over every parameter."""
+    diff = sum(float((quantized["end"][k] - plain["end"][k]).double().pow(2).sum()) for k in plain["end"])
+    norm = sum(float((plain["end"][k] - plain["start"][k]).double().pow(2).sum()) for k in plain["end"])
+    return math.sqrt(diff / norm)
+
+
+@pytest.mark.parametrize("layout", ["flat", "hybrid"])
+def test_the_quantized_reduction_is_unbiased(two_nodes: list[dict[str, Any]], layout: str) -> None:
+    """The mean of TRIALS reductions errs by about scale / (2 sqrt(TRIALS)) per element, a single one by up to the
+    scale: stochastic rounding, not a fixed rounding (which would keep its error in the mean)."""
+    for rank, out in enumerate(two_nodes):
+        result = out[f"unbiased/{layout}"]
+        crossing = 1 if layout == "flat" else NODES  # flat: the own node's partial stays exact
+        bound = 5 * crossing * result["scale"] / (2 * math.sqrt(TRIALS))
+        print(
+            f"{layout} rank {rank}: mean error {result['mean_error']:.2e} (bound {bound:.2e}), one reduction "
+            f"{result['one_error']:.2e}, scale {result['scale']:.2e}"
+        )
+        assert result["nodes_in_cross"] == NODES
+        assert result["mean_error"] <= bound, rank
+        assert result["one_error"] > 4 * result["mean_error"], rank  # the quantization is visible in one trial
+        assert result["one_error"] <= crossing * result["scale"] * 1.001, rank
+    if layout == "hybrid":  # replicas (ranks r and r + 2) dequantize the same bytes: identical shards
+        for rank in range(2):
+            assert torch.equal(
+                two_nodes[rank][f"unbiased/{layout}"]["first"], two_nodes[rank + 2][f"unbiased/{layout}"]["first"]
+            )
+
+
+@pytest.mark.parametrize("layout", ["flat", "hybrid"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_training_stays_close_to_unquantized(two_nodes: list[dict[str, Any]], stage: int, layout: str) -> None:
+    suffix = "" if layout == "flat" else "-hybrid"
+    for rank, out in enumerate(two_nodes):
+        plain, quantized = out[f"plain{suffix}/{stage}"], out[f"quantized{suffix}/{stage}"]
+        difference = _update_difference(plain, quantized)
+        print(f"stage {stage} {layout} rank {rank}: update differs by {difference:.2%}")
+        assert 0 < difference <= UPDATE_TOLERANCE, rank
+        for key, value in quantized["end"].items():  # every rank ends with the same parameters
+            assert torch.equal(value, two_nodes[0][f"quantized{suffix}/{stage}"]["end"][key]), (rank, key)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bytes_across_nodes_equal_the_formula(two_nodes: list[dict[str, Any]], stage: int) -> None:
+    """Flat: the world reduce-scatter (half of its bytes cross) becomes the node's (none cross) plus an all-to-all
+    of quantized node partials (one of its two rows crosses). Hybrid: the replicate all-reduce (half crosses)
+    becomes an all-gather of quantized shards (one of two crosses). Everything else is the same collectives."""
+    for out in two_nodes:
+        plain, quantized = out[f"plain/{stage}"], out[f"quantized/{stage}"]
+        travelled = sum(quantized_nbytes(shard) for shard in quantized["shards"])
+        assert quantized["shards"] == plain["shards"]
+        assert quantized["by_op"]["quantized_all_to_all"] == NODES * travelled
+        assert quantized["by_op"]["reduce_scatter"] == plain["by_op"]["reduce_scatter"]  # now inside the node
+        assert quantized["by_group"]["node"] == plain["by_op"]["reduce_scatter"]
+        exact = plain["by_op"]["reduce_scatter"] // 2  # what the flat reduce-scatter sent across
+        assert quantized["inter"] == plain["inter"] - exact + travelled
+        # fp32: 1 byte an element instead of 4, and each rank sends its own slices only (not 1/N of the bucket)
+        scales = 4 * sum(-(-shard // QUANT_BLOCK) for shard in quantized["shards"])
+        assert travelled - scales == exact // (4 * LOCAL)
+        print(f"stage {stage} flat: gradient bytes across nodes {travelled} vs {exact} ({travelled / exact:.3f})")
+
+        plain, quantized = out[f"plain-hybrid/{stage}"], out[f"quantized-hybrid/{stage}"]
+        travelled = sum(quantized_nbytes(shard) for shard in quantized["shards"])
+        assert "all_reduce" not in quantized["by_op"]
+        assert quantized["by_op"]["quantized_all_gather"] == NODES * travelled
+        exact = plain["by_op"]["all_reduce"] // 2
+        assert quantized["inter"] == plain["inter"] - exact + travelled
+        scales = 4 * sum(-(-shard // QUANT_BLOCK) for shard in quantized["shards"])
+        assert travelled - scales == exact // 4
+        print(f"stage {stage} hybrid: gradient bytes across nodes {travelled} vs {exact} ({travelled / exact:.3f})")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_overflow_skips_the_step_on_every_rank(two_nodes: list[dict[str, Any]], stage: int) -> None:
+    for rank, out in enumerate(two_nodes):
+        result = out["overflow"][stage]
+        assert result["skipped"] == 1, rank
+        assert result["scale"] == 2.0**9, rank  # halved once
+        before, skipped, after = result["states"]
+        assert all(torch.equal(before[k], skipped[k]) for k in before), rank  # the step changed nothing
+        assert all(bool(torch.isfinite(v).all()) for v in after.values()), rank
+        assert not all(torch.equal(skipped[k], after[k]) for k in skipped), rank  # the next one trains
+
+
+def test_one_node_changes_nothing() -> None:
+    """Every rank on one node: nothing crosses nodes, no group is made, the results are plain's bit for bit."""
+    for rank, out in enumerate(run_on_ranks(_one_node, 2, nodes=1)):
+        for stage in (1, 2, 3):
+            plain, quantized = out[f"plain/{stage}"], out[f"quantized/{stage}"]
+            assert plain["by_op"] == quantized["by_op"], (rank, stage)
+            for key, value in plain["end"].items():
+                assert torch.equal(value, quantized["end"][key]), (rank, stage, key)
