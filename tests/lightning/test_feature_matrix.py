@@ -15,7 +15,9 @@ Factors (every legal pair of two factors' values occurs in some case, see ``test
 - ``overlap_comm`` on or off; ``bucket_cap_mb`` 25 or tiny (a bucket a parameter); ``shard_size`` ``None`` or 1
   (hybrid sharding with groups of one rank: the gradients are all-reduced across the replicas, one replica writes
   the checkpoints); ``secondary_shard_size`` ``None`` or 1 (stage 3 only: each unit keeps a copy from forward to
-  backward, whose gathers read it, see [Note: secondary shards]).
+  backward, whose gathers read it, see [Note: secondary shards]); ``quantize_gradients`` off or on (on one node
+  nothing crosses nodes, so it must change nothing; with ``partition="parameter"`` it is refused, so that pair is
+  not legal).
 
 Each case ends with the same parameters as its oracle, a run doing the same maths: in fp32 Lightning's DDP with the
 model's oracle variant (a loss reaching every parameter with zeros where rank 1's does not; the weighted loss scaled
@@ -63,6 +65,7 @@ FACTORS: dict[str, tuple[Any, ...]] = {
     "bucket_cap_mb": (25, 0.0005),  # one bucket a buffer, or one a parameter
     "shard_size": (None, 1),  # flat, or hybrid: each rank its own shard group, replicas all-reduce the gradients
     "secondary_shard_size": (None, 1),  # stage 3: backward gathers from the slices kept after forward (a full copy)
+    "quantize_gradients": (False, True),  # one node: the same as off
 }
 OFFLOAD = {  # offload -> (offload_optimizer, offload_params)
     "none": (False, False),
@@ -72,12 +75,21 @@ OFFLOAD = {  # offload -> (offload_optimizer, offload_params)
     "params_nvme": ("nvme", "nvme"),
 }
 MATHS = ("precision", "weighted", "accumulate_clip", "uneven")  # what the oracle must share with a case
-PLAIN = {"overlap_comm": True, "bucket_cap_mb": 25, "shard_size": None, "secondary_shard_size": None}  # the oracle's
+PLAIN = {  # the oracle's
+    "overlap_comm": True,
+    "bucket_cap_mb": 25,
+    "shard_size": None,
+    "secondary_shard_size": None,
+    "quantize_gradients": False,
+}
 
 
 def legal(case: dict[str, Any]) -> bool:
     """Offloading parameters and secondary shards need stage 3 (a ValueError otherwise, tested in
-    tests/unit/test_config.py and tests/distributed/test_secondary_shards.py)."""
+    tests/unit/test_config.py and tests/distributed/test_secondary_shards.py), and ``quantize_gradients`` the flat
+    partition (tests/distributed/test_quantized_gradients.py)."""
+    if case.get("quantize_gradients") and case.get("partition", "flat") == "parameter":
+        return False
     stage3_only = str(case.get("offload", "")).startswith("params") or case.get("secondary_shard_size") is not None
     return not (stage3_only and case.get("stage", 3) != 3)
 
@@ -180,6 +192,7 @@ def _strategy(case: dict[str, Any], root: Path) -> pl.strategies.Strategy:
         bucket_cap_mb=case["bucket_cap_mb"],
         shard_size=case["shard_size"],
         secondary_shard_size=case["secondary_shard_size"],
+        quantize_gradients=case["quantize_gradients"],
         timeout=TIMEOUT,
     )
 
