@@ -152,6 +152,7 @@ def _two_nodes(rank: int, world_size: int) -> dict[str, Any]:
         out[f"plain-hybrid/{stage}"] = _train(rank, stage, False, shard_size=2)
         out[f"quantized-hybrid/{stage}"] = _train(rank, stage, True, shard_size=2)
         out[f"one-node/{stage}"] = _train(rank, stage, True, ranks_per_node=WORLD_SIZE)
+    out["again/2"] = _train(rank, 2, True)
     out["overflow"] = _overflow(rank, True)
     return out
 
@@ -202,6 +203,13 @@ def test_training_stays_close_to_unquantized(two_nodes: list[dict[str, Any]], st
         assert 0 < difference <= UPDATE_TOLERANCE, rank
         for key, value in quantized["end"].items():  # every rank ends with the same parameters
             assert torch.equal(value, two_nodes[0][f"quantized{suffix}/{stage}"]["end"][key]), (rank, key)
+
+
+def test_a_quantized_run_repeats_bit_for_bit(two_nodes: list[dict[str, Any]]) -> None:
+    """The rounding noise is seeded by (reduction count, global rank): the same run gives the same parameters."""
+    for rank, out in enumerate(two_nodes):
+        for key, value in out["quantized/2"]["end"].items():
+            assert torch.equal(value, out["again/2"]["end"][key]), (rank, key)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -15,6 +15,11 @@ peers; the remaining 1/p is its own part, which does not travel. So a collective
 Flat sharding over 2 nodes x 2 ranks sends half of every count across; hybrid sharding's shard group (one node)
 sends nothing across, its replicate group (one rank per node) half of the all-reduce's count, which is half of
 the shard's size times 2: the shard itself (see [Note: hybrid sharding]).
+
+With ``quantize_gradients`` (see [Note: quantized gradient reduction]) what crosses nodes is counted as it travels:
+int8 values and fp32 block scales, ``quantized_nbytes(n)`` bytes for n elements, under ``"quantized_all_to_all"``
+(group ``"cross"``, flat sharding; the exact reduce-scatter before it runs in group ``"node"``) or
+``"quantized_all_gather"`` (group ``"replicate"``, with ``shard_size``).
 """
 
 from __future__ import annotations
