@@ -13,7 +13,9 @@ them. Checkpoints are written by the first shard group (``Topology.writes``) and
 
 The ranks agree on ``shard_size`` (and the node layout) before any group is created, and every rank creates every
 group in the same order (``new_group`` is itself a collective): the shard groups in rank order, then the replicate
-groups, then stage 3's gather groups.
+groups, then stage 3's gather groups. ``quantize_gradients`` over several nodes reduces gradients in ``node`` and
+``cross`` groups (see [Note: quantized gradient reduction]): with ``shard_size`` they are the shard and replicate
+groups; without it they are created last, the nodes' groups in node order, then the groups of each local index.
 
 Stage 3 gathers unit parameters over a group of its own (the shard group's ranks again), so that the order of
 gathers (fixed by the order units run in) and the order of gradient reductions (fixed by bucket index) never have
