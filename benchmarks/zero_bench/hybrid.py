@@ -29,7 +29,16 @@ ZEROPP_SYSTEMS = {
     "zero3_hp": {"secondary_shard_size": "node"},
     "zero3_pp": {"quantize_weights": True, "quantize_gradients": True, "secondary_shard_size": "node"},
 }
-HYBRID_SYSTEMS = ("ddp", "fsdp2", "fsdp2_hsdp", "zero2", "zero3", "zero2_hybrid", "zero3_hybrid", *ZEROPP_SYSTEMS)
+# quantize_gradients beside zero3_qg, on request: at stage 2, and with shard_size (its replicas' exchange quantized)
+QG_VARIANTS = {
+    "zero2_qg": {"quantize_gradients": True},
+    "zero3_hybrid_qg": {"shard_size": "node", "quantize_gradients": True},
+}
+HYBRID_SYSTEMS = (
+    *("ddp", "fsdp2", "fsdp2_hsdp", "zero2", "zero3", "zero2_hybrid", "zero3_hybrid"),
+    *ZEROPP_SYSTEMS,
+    *QG_VARIANTS,
+)
 DEFAULT_SYSTEMS = ("ddp", "fsdp2", "fsdp2_hsdp", "zero2", "zero3", "zero3_hybrid", *ZEROPP_SYSTEMS)
 REFERENCE = "zero3"  # the ratios of the table are to flat stage 3's step time
 
@@ -69,7 +78,7 @@ class HybridZeroSystem(ZeroSystem):
         self.optimizer = make_adamw(self.model, args.lr)
         stage = int(name[4])
         extra: dict[str, Any] = {"shard_size": args.shard_size} if name.endswith("_hybrid") else {}
-        for option, value in ZEROPP_SYSTEMS.get(name, {}).items():
+        for option, value in {**ZEROPP_SYSTEMS, **QG_VARIANTS}.get(name, {}).items():
             extra[option] = args.shard_size if value == "node" else value
         options = EngineOptions(stage=stage, bucket_cap_mb=args.bucket_cap_mb, **extra)
         self.policy = None
@@ -88,6 +97,6 @@ def build_hybrid_system(name: str, cfg: GPTConfig, args: argparse.Namespace) -> 
         return FSDP2System(name, cfg, args, group)
     if name == "fsdp2_hsdp":
         return HSDPSystem(name, cfg, args, group)
-    if name.endswith("_hybrid") or name in ZEROPP_SYSTEMS:
+    if name.endswith("_hybrid") or name in ZEROPP_SYSTEMS or name in QG_VARIANTS:
         return HybridZeroSystem(name, cfg, args, group)
     return ZeroSystem(name, cfg, args, group)
