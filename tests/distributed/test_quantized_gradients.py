@@ -34,7 +34,7 @@ WORLD_SIZE, NODES, LOCAL = 4, 2, 2
 STEPS = 3
 SHARD = 300  # elements per rank in the direct reduction test: one whole block and a partial one
 TRIALS = 200
-# Relative difference of the parameter update (quantized vs exact, SGD, 3 steps): measured about 0.3-0.6%.
+# Relative difference of the parameter update (quantized vs exact, SGD, 3 steps): measured 0.6% flat, 1.2% hybrid.
 UPDATE_TOLERANCE = 0.03
 
 
