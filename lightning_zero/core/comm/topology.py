@@ -13,9 +13,7 @@ them. Checkpoints are written by the first shard group (``Topology.writes``) and
 
 The ranks agree on ``shard_size`` (and the node layout) before any group is created, and every rank creates every
 group in the same order (``new_group`` is itself a collective): the shard groups in rank order, then the replicate
-groups, then stage 3's gather groups. ``quantize_gradients`` over several nodes reduces gradients in ``node`` and
-``cross`` groups (see [Note: quantized gradient reduction]): with ``shard_size`` they are the shard and replicate
-groups; without it they are created last, the nodes' groups in node order, then the groups of each local index.
+groups, then stage 3's gather groups.
 
 Stage 3 gathers unit parameters over a group of its own (the shard group's ranks again), so that the order of
 gathers (fixed by the order units run in) and the order of gradient reductions (fixed by bucket index) never have
@@ -23,7 +21,7 @@ to interleave identically on every rank: a rank whose backward needs fewer units
 same gathers and the same reductions, each in its own order (see [Note: stage-3 backward plan]).
 
 With ``secondary_shard_size=s`` (stage 3, ZeRO++ hpZ) the gather group's ranks split further into *secondary
-groups* of s consecutive ranks, each inside one node, created last (every rank creates every one, in rank order):
+groups* of s consecutive ranks, each inside one node, created next (every rank creates every one, in rank order):
 backward gathers a unit inside its secondary group from the slices its ranks kept after forward (see [Note:
 secondary shards]), again in a group of its own, so those gathers never leave the node.
 
