@@ -39,7 +39,12 @@ UPDATE_TOLERANCE = 0.03
 
 
 def _engine(
-    stage: int, quantize: bool, shard_size: int | None = None, ranks_per_node: int | None = None, **kwargs: Any
+    stage: int,
+    quantize: bool,
+    shard_size: int | None = None,
+    ranks_per_node: int | None = None,
+    secondary_shard_size: int | None = None,
+    **kwargs: Any,
 ) -> ZeroEngine:
     torch.manual_seed(0)
     model = TinyLM()
@@ -49,16 +54,22 @@ def _engine(
         bucket_cap_mb=0.001,
         wrap_policy={nn.Linear} if stage == 3 else None,
         shard_size=shard_size,
+        secondary_shard_size=secondary_shard_size,
         quantize_gradients=quantize,
     )
     return ZeroEngine(model, [optimizer], options, Communicator(ranks_per_node=ranks_per_node), **kwargs)
 
 
 def _train(
-    rank: int, stage: int, quantize: bool, shard_size: int | None = None, ranks_per_node: int | None = None
+    rank: int,
+    stage: int,
+    quantize: bool,
+    shard_size: int | None = None,
+    ranks_per_node: int | None = None,
+    secondary_shard_size: int | None = None,
 ) -> dict[str, Any]:
     """SGD for STEPS steps; the full parameters at the start and the end, and the last step's communication."""
-    engine = _engine(stage, quantize, shard_size, ranks_per_node)
+    engine = _engine(stage, quantize, shard_size, ranks_per_node, secondary_shard_size)
     optimizer = engine.optimizers[0]
     with engine.gathered():
         start = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
@@ -153,6 +164,7 @@ def _two_nodes(rank: int, world_size: int) -> dict[str, Any]:
         out[f"quantized-hybrid/{stage}"] = _train(rank, stage, True, shard_size=2)
         out[f"one-node/{stage}"] = _train(rank, stage, True, ranks_per_node=WORLD_SIZE)
     out["again/2"] = _train(rank, 2, True)
+    out["quantized-secondary/3"] = _train(rank, 3, True, secondary_shard_size=LOCAL)
     out["overflow"] = _overflow(rank, True)
     return out
 
@@ -206,10 +218,13 @@ def test_training_stays_close_to_unquantized(two_nodes: list[dict[str, Any]], st
 
 
 def test_a_quantized_run_repeats_bit_for_bit(two_nodes: list[dict[str, Any]]) -> None:
-    """The rounding noise is seeded by (reduction count, global rank): the same run gives the same parameters."""
+    """The rounding noise is seeded by (reduction count, global rank): the same run gives the same parameters, and
+    so does it with secondary shards (hpZ gathers the same values, so the same gradients are quantized)."""
     for rank, out in enumerate(two_nodes):
         for key, value in out["quantized/2"]["end"].items():
             assert torch.equal(value, out["again/2"]["end"][key]), (rank, key)
+        for key, value in out["quantized/3"]["end"].items():
+            assert torch.equal(value, out["quantized-secondary/3"]["end"][key]), (rank, key)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
