@@ -11,9 +11,12 @@ the other order, ``--rounds`` times), and once without saves. Measured on rank 0
 
 * **call**: the wall time of ``trainer.save_checkpoint`` (the synchronous save writes, flushes and commits in it;
   the asynchronous one takes its snapshot in it, or waits for the previous save first);
-* **stall**: what the save added to the run: (fit time with saves - fit time without) / saves. For the
-  asynchronous save this includes the background write's competition for the CPU and the disk with training,
-  and the wait for the last commit at the end of fit.
+* **stall**: what the saves added to the training loop, per save: (loop time with saves - loop time without) /
+  saves, the loop time running from the start of training to the end of the last batch. For the asynchronous save
+  it includes the background writes' competition with training for the CPU, memory bandwidth and the
+  interpreter's lock, and a save's wait for the previous one;
+* **end wait**: the time from the end of the last batch to the end of ``fit`` less the run without saves' (the
+  asynchronous save's wait for its last commit, once per ``fit``; 0 for the synchronous save).
 
 It also prints the checkpoint's bytes per rank and the snapshot's peak bytes per rank. On a machine with as many
 cores as ranks (each rank trains on one thread), the background write takes its CPU time from training; with
@@ -60,12 +63,17 @@ class SaveEvery(pl.Callback):
 
     def __init__(self, every: int, directory: Path) -> None:
         self.every, self.directory, self.calls_s = every, directory, []
+        self.started = self.last_batch_end = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.started = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.every and trainer.global_step % self.every == 0:
             start = time.perf_counter()
             trainer.save_checkpoint(self.directory / f"step{trainer.global_step}")
             self.calls_s.append(time.perf_counter() - start)
+        self.last_batch_end = time.perf_counter()
 
 
 def fit(rank: int, world_size: int, args: argparse.Namespace, mode: str) -> dict[str, Any]:
@@ -88,10 +96,13 @@ def fit(rank: int, world_size: int, args: argparse.Namespace, mode: str) -> dict
         )
         start = time.perf_counter()
         trainer.fit(model, DataLoader(data, batch_size=args.batch))
-        fit_s = time.perf_counter() - start
+        ended = time.perf_counter()
+        fit_s = ended - start
         saved = sorted(Path(directory).glob("step*/rank_*.pt"))
         return {
             "fit_s": fit_s,
+            "loop_s": saver.last_batch_end - saver.started,
+            "end_s": ended - saver.last_batch_end,
             "calls_s": saver.calls_s,
             "rank_file_bytes": saved[0].stat().st_size if saved else 0,
             "snapshot_bytes": trainer.strategy.session.background.peak_snapshot_bytes,
@@ -118,22 +129,26 @@ def main(argv: list[str] | None = None) -> None:
             result = run_on_ranks(fit, args.ranks, args, mode, timeout_s=1800)[0]
             runs[mode].append(result)
             calls = [round(c, 3) for c in result["calls_s"]]
-            print(f"round {index} {mode}: fit {result['fit_s']:.2f} s, calls {calls}")
-    base = statistics.median(r["fit_s"] for r in runs["none"])
-    table = ["| save | call s (median, min-max) | stall s per save | file MiB per rank | snapshot MiB per rank |"]
-    table.append("|---|---|---|---|---|")
+            loop, end = result["loop_s"], result["end_s"]
+            print(f"round {index} {mode}: fit {result['fit_s']:.2f} s (loop {loop:.2f}, end {end:.2f}), calls {calls}")
+    base = statistics.median(r["loop_s"] for r in runs["none"])
+    base_end = statistics.median(r["end_s"] for r in runs["none"])
+    table = ["| save | call s (median, min-max) | stall s per save | end wait s | file MiB per rank | snapshot MiB |"]
+    table.append("|---|---|---|---|---|---|")
     summary = {}
     for mode in ("sync", "async"):
         calls = [c for r in runs[mode] for c in r["calls_s"]]
-        stall = statistics.median((r["fit_s"] - base) / len(r["calls_s"]) for r in runs[mode])
-        summary[mode] = {"call_median_s": statistics.median(calls), "stall_s": stall}
+        stall = statistics.median((r["loop_s"] - base) / len(r["calls_s"]) for r in runs[mode])
+        end = statistics.median(r["end_s"] for r in runs[mode]) - base_end
+        summary[mode] = {"call_median_s": statistics.median(calls), "stall_s": stall, "end_wait_s": end}
         table.append(
             f"| {mode} | {statistics.median(calls):.2f} ({min(calls):.2f}-{max(calls):.2f}) | {stall:.2f} | "
-            f"{runs[mode][0]['rank_file_bytes'] / 2**20:.0f} | {runs[mode][0]['snapshot_bytes'] / 2**20:.0f} |"
+            f"{end:.2f} | {runs[mode][0]['rank_file_bytes'] / 2**20:.0f} | "
+            f"{runs[mode][0]['snapshot_bytes'] / 2**20:.0f} |"
         )
     ratio = summary["async"]["stall_s"] / summary["sync"]["stall_s"]
     print("\n".join(table))
-    print(f"fit without saves: {base:.2f} s; async stall / sync stall = {ratio:.3f}")
+    print(f"loop without saves: {base:.2f} s; async stall / sync stall = {ratio:.3f}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs, "summary": summary}, indent=1))
