@@ -99,6 +99,7 @@ def zero_config(
     process_group_backend: str | None,
     timeout: timedelta,
     weighted_loss: bool,
+    quantize_weights: bool,
 ) -> ZeroConfig:
     """The configuration of the keyword arguments that ``ZeroStrategy`` and ``ZeroFabricStrategy`` both take."""
     engine = EngineOptions(
@@ -111,6 +112,7 @@ def zero_config(
         nvme_path=nvme_path,
         partition=partition,
         shard_size=shard_size,
+        quantize_weights=quantize_weights,
     )
     return ZeroConfig(
         engine,

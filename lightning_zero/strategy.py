@@ -64,6 +64,8 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         weighted_loss: train on the gradient of the global mean over tokens: ``training_step`` returns
             ``{"loss": loss_sum, "loss_weight": n_tokens}`` (or calls ``self.manual_backward(loss_sum,
             loss_weight=n_tokens)``); see docs/weighted_loss.md.
+        quantize_weights: stage 3: the forward and backward parameter all-gathers send int8 values with one fp32
+            scale per 256 elements (ZeRO++'s qwZ); shards, fp32 masters and checkpoints stay exact.
 
     Raises:
         ValueError: for an invalid option, naming the option, the value and the fix.
@@ -86,6 +88,7 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         weighted_loss: bool = False,
+        quantize_weights: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

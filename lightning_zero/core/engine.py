@@ -159,7 +159,7 @@ class ZeroEngine:
         self.backward = BackwardPass(self.model, comm, options.overlap_comm, options.stage, self.scaling)
         if options.stage == 3:
             self.model.scheduler = Stage3Scheduler(
-                units, self.topology.gather, options.overlap_comm, self.backward.passed_over
+                units, self.topology.gather, options.overlap_comm, self.backward.passed_over, options.quantize_weights
             )
         self.last_step_comm = CommStats()
         self.model.steps = [self._step(o) for o in self.optimizers]

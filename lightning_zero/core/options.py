@@ -45,6 +45,8 @@ class EngineOptions:
             whole by one rank (see [Note: owner layout]).
         shard_size: hybrid sharding: shard inside groups of this many consecutive ranks (e.g. one node's) and
             replicate across the groups; ``None``: shard over every rank (see [Note: hybrid sharding]).
+        quantize_weights: stage 3 with ``partition="flat"``: the forward and backward parameter gathers send int8
+            values with block scales; shards, masters and checkpoints stay exact (see [Note: quantized all-gather]).
     """
 
     stage: int = 2
@@ -56,6 +58,7 @@ class EngineOptions:
     nvme_path: str | None = None
     partition: str = "flat"
     shard_size: int | None = None
+    quantize_weights: bool = False
 
     def __post_init__(self) -> None:
         check_choice("stage", self.stage, STAGES, "stage=2")
@@ -64,6 +67,7 @@ class EngineOptions:
         check_bucket_cap_mb(self.bucket_cap_mb)
         check_bool("overlap_comm", self.overlap_comm)
         check_shard_size(self.shard_size)
+        self._check_quantize_weights()
         object.__setattr__(self, "wrap_policy", resolve_policy("wrap_policy", self.wrap_policy))
 
     def _check_offload(self) -> None:
@@ -87,6 +91,19 @@ class EngineOptions:
                 "Pass nvme_path='/path/to/fast/disk'."
             )
 
+    def _check_quantize_weights(self) -> None:
+        check_bool("quantize_weights", self.quantize_weights)
+        if self.quantize_weights and self.stage != 3:
+            raise ValueError(
+                f"quantize_weights=True needs stage=3 (it quantizes the stage-3 parameter all-gathers), got "
+                f"stage={self.stage}. Use stage=3 or quantize_weights=False."
+            )
+        if self.quantize_weights and self.partition != "flat":
+            raise ValueError(
+                f"quantize_weights=True is not supported with partition={self.partition!r}: its parameter gathers "
+                "have uneven parts per rank. Use partition='flat' (the default) or quantize_weights=False."
+            )
+
     @property
     def bucket_cap_bytes(self) -> int:
         return int(self.bucket_cap_mb * 1024 * 1024)
@@ -103,6 +120,7 @@ class EngineOptions:
             "offload_params": self.offload_params,
             "partition": self.partition,
             "shard_size": self.shard_size,
+            "quantize_weights": self.quantize_weights,
         }
 
 

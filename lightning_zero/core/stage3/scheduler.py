@@ -51,6 +51,8 @@ class Stage3Scheduler:
         prefetch: start the next unit's gather early (``overlap_comm``).
         on_passed_over: called with the units a backward issued the gathers of on its way to a later plan entry
             (see [Note: units a backward passes over]).
+        quantize: forward and backward gathers send int8 (``quantize_weights``); :meth:`gathered` stays exact (see
+            [Note: quantized gathers never reach the shard]).
     """
 
     def __init__(
@@ -59,8 +61,10 @@ class Stage3Scheduler:
         comm: Communicator,
         prefetch: bool,
         on_passed_over: Callable[[list[GatherUnit]], None] = lambda units: None,
+        quantize: bool = False,
     ) -> None:
         self.units = units
+        self.quantize = quantize
         self.root = units[-1]
         self.comm = comm
         self.prefetch = prefetch
@@ -113,14 +117,20 @@ class Stage3Scheduler:
             unit.remove_hooks()
 
     # ------------------------------------------------------------------ between steps
-    def _start(self, unit: GatherUnit, check: bool = True) -> None:
+    def _start(self, unit: GatherUnit, check: bool = True, exact: bool = False) -> None:
         """Start gathering ``unit`` (a no-op when gathered or started, on every rank alike). With ``check``, once every
         rank agreed that it gathers this unit now (see [Note: divergent control flow at stage 3]); the gathers of a
-        backward plan need no check: every rank derives the same plan and issues its entries in order."""
-        if unit.buffers and not unit.gathered_or_pending:  # a unit without parameters gathers nothing, anywhere
+        backward plan need no check: every rank derives the same plan and issues its entries in order. ``exact``:
+        never quantized, and a unit gathered quantized is gathered again (see [Note: quantized gathers never reach
+        the shard])."""
+        if not unit.buffers:  # a unit without parameters gathers nothing, anywhere
+            return
+        if exact and unit.quantized:
+            unit.start_exact(self.comm)
+        elif not unit.gathered_or_pending:
             if check:
                 self.sequence.check(self._index[unit])
-            unit.start_unshard(self.comm)
+            unit.start_unshard(self.comm, quantized=self.quantize and not exact)
 
     def _unshard(self, unit: GatherUnit) -> None:
         self._start(unit)
@@ -171,7 +181,7 @@ class Stage3Scheduler:
         """Every unit gathered inside the block (collective). With ``write_back`` changes made to the parameters
         inside (e.g. ``load_state_dict``) are kept: written into the shards and the ``stores``' copies."""
         for unit in self.units:
-            self._start(unit)
+            self._start(unit, exact=True)
         for unit in self.units:
             unit.wait()
         try:
