@@ -8,6 +8,7 @@ quantized gather is refused; inf/NaN in a shard raises on every rank. One spawn 
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -213,11 +214,34 @@ def _check_update(engine: ZeroEngine, pieces: dict[nn.Parameter, tuple[Tensor, T
     return exact
 
 
+def _lightning(rank: int, out: dict[str, Any]) -> None:
+    """``ZeroStrategy(stage=3, quantize_weights=True)`` through a Trainer fit: the option reaches the engine, the
+    gathers are quantized, and ``gathered_params()`` and a full checkpoint hold the exact shards."""
+    from lightning_zero import ZeroStrategy
+    from tests.lightning.models import TwoLayer, make_loader, make_trainer
+
+    model = TwoLayer(hidden=300)
+    strategy = ZeroStrategy(stage=3, quantize_weights=True, wrap_policy={nn.Linear}, state_dict_type="full")
+    trainer = make_trainer(2, strategy, max_steps=3)
+    trainer.fit(model, make_loader("two_layer", samples=24))
+    engine = strategy._engine
+    buffers = engine.model.buffers
+    out["lightning_bytes"] = (strategy.comm_report().by_op["all_gather"], _gather_formula(engine, None, 1))
+    with strategy.gathered_params():
+        out["lightning_own_slice_exact"] = all(torch.equal(b.data[slice(*b.bounds)], b.shard) for b in buffers)
+        gathered = {name: p.detach().clone() for name, p in model.named_parameters()}
+    path = Path(tempfile.mkdtemp(prefix="qwz")) / "full.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=True)["state_dict"] if rank == 0 else gathered
+    out["lightning_checkpoint_exact"] = all(torch.equal(saved[name], gathered[name]) for name in gathered)
+
+
 def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
     comm = Communicator()
     out: dict[str, Any] = {}
     _cases(rank, comm, out)
     _exactness(rank, comm, out)
+    _lightning(rank, out)
     return out
 
 
@@ -295,3 +319,11 @@ def test_bytes_across_nodes_follow_the_gather_group() -> None:
             across, inside = (saved * 2 // 4, saved // 4) if shard_size is None else (0, saved // 2)
             assert plain[3] - quantized[3] == across
             assert plain[2] - quantized[2] == inside
+
+
+def test_zero_strategy_fits_with_quantized_gathers_and_saves_exact_values(two_ranks: list[dict[str, Any]]) -> None:
+    for out in two_ranks:
+        measured, formula = out["lightning_bytes"]
+        assert measured == formula
+        assert out["lightning_own_slice_exact"]
+        assert out["lightning_checkpoint_exact"]
