@@ -101,6 +101,16 @@ def test_shard_size_is_an_engine_option_every_rank_agrees_on() -> None:
     assert strategy.config.describe()["shard_size"] == 2
 
 
+def test_quantize_weights_is_an_engine_option_every_rank_agrees_on() -> None:
+    from lightning_zero import ZeroFabricStrategy
+
+    assert ZeroStrategy().config.engine.quantize_weights is False
+    for strategy_class in (ZeroStrategy, ZeroFabricStrategy):
+        config = strategy_class(stage=3, quantize_weights=True).config
+        assert config.engine.quantize_weights is True
+        assert config.describe()["quantize_weights"] is True
+
+
 def test_describe_is_comparable_across_ranks() -> None:
     assert ZeroConfig(EngineOptions(stage=1)).describe() == ZeroConfig(EngineOptions(stage=1)).describe()
     assert ZeroConfig(EngineOptions(stage=1)).describe() != ZeroConfig(EngineOptions(stage=2)).describe()

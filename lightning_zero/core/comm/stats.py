@@ -15,6 +15,10 @@ peers; the remaining 1/p is its own part, which does not travel. So a collective
 Flat sharding over 2 nodes x 2 ranks sends half of every count across; hybrid sharding's shard group (one node)
 sends nothing across, its replicate group (one rank per node) half of the all-reduce's count, which is half of
 the shard's size times 2: the shard itself (see [Note: hybrid sharding]).
+
+A quantized all-gather (``quantize_weights``, see [Note: quantized all-gather]) counts what travels instead of the
+full buffer's size: its int8 values (one byte per element of every part) plus the fp32 scales of every part, under
+``by_op["all_gather"]``, so the split by node above applies to those bytes.
 """
 
 from __future__ import annotations
