@@ -31,10 +31,14 @@ def quantize_blocks(
         raise ValueError(f"quantize_blocks takes a 1-D floating-point tensor, got {x.dtype} of shape {tuple(x.shape)}")
     numel = x.numel()
     nblocks = -(-numel // block)
-    rows = _padded_rows(x, nblocks, block)
-    scales = rows.abs().amax(dim=1) / _QMAX if numel else rows.new_empty(0)  # inf / NaN propagate
+    scaled = _padded_rows(x, nblocks, block)  # the one full-size fp32 temporary: divided and rounded in place
+    if numel:
+        low, high = torch.aminmax(scaled, dim=1)
+        scales = torch.maximum(high, -low) / _QMAX  # absmax / 127; inf and NaN propagate
+    else:
+        scales = scaled.new_empty(0)
     usable = torch.isfinite(scales) & (scales > 0)
-    scaled = rows / torch.where(usable, scales, torch.ones_like(scales)).unsqueeze(1)
+    scaled.div_(torch.where(usable, scales, torch.ones_like(scales)).unsqueeze(1))
     scaled.masked_fill_(~usable.unsqueeze(1), 0.0)  # zero blocks are 0; non-finite ones are flagged by their scale
     if generator is None:
         scaled.round_()
@@ -54,12 +58,12 @@ def dequantize_blocks(values: Tensor, scales: Tensor, out: Tensor, block: int = 
             f"dequantize_blocks: {numel} values need {-(-numel // block)} scales and an output of {numel} elements, "
             f"got {scales.numel()} scales and {out.numel()} elements"
         )
-    whole = numel // block
+    whole = numel // block  # computed in fp32 (int8 * fp32 promotes), rounded once into out's dtype, no temporary
     if whole:
-        rows = values[: whole * block].view(whole, block).float().mul_(scales[:whole].unsqueeze(1))
-        out[: whole * block].copy_(rows.view(-1))
+        rows = values[: whole * block].view(whole, block)
+        torch.mul(rows, scales[:whole].unsqueeze(1), out=out[: whole * block].view(whole, block))
     if numel > whole * block:
-        out[whole * block :].copy_(values[whole * block :].float().mul_(scales[whole]))
+        torch.mul(values[whole * block :], scales[whole], out=out[whole * block :])
     return out
 
 
