@@ -21,11 +21,13 @@ collectives move, without padding; they are counted as the all-gather or reduce-
 With ``quantize_weights`` (ZeRO++'s qwZ) the stage-3 parameter gathers of forward and backward send each rank's
 shard as int8 values plus one fp32 scale per block (see [Note: block-wise int8] in quantize.py): two even
 all-gathers, of the values and of the scales, started together; the work returned dequantizes every part into the
-output when waited for, this rank's own part too, so every rank holds the same full values. Rounding is to nearest,
-so what a rank sends depends on its shard alone. The scales are checked for inf/NaN after the exchange, where every
-rank holds the same ones, so all ranks raise together. It is counted under ``"all_gather"`` as the bytes that
-travel (see [Note: counting communication]): the full int8 buffer plus the scales, ``quantized_nbytes`` per part
-instead of the shard's bytes.
+output when waited for, this rank's own part too, so every rank holds the same full values. Rounding is to
+nearest, so what a rank sends depends on its shard alone, and a unit gathered again (backward, activation
+checkpointing's recomputation) holds exactly the values its forward used. The scales are checked for inf/NaN after
+the exchange, where every rank holds the same ones, so all ranks raise together (on CUDA that check synchronises
+the host with the gather, once per gathered buffer). It is counted under ``"all_gather"`` as the bytes that travel
+(see [Note: counting communication]): the full int8 buffer plus the scales, ``quantized_nbytes`` per part instead
+of the shard's bytes.
 
 [Note: groups alive at exit]
 A gloo group runs each collective on a thread of its own, which drops its reference to the work a moment after the
