@@ -99,8 +99,9 @@ def zero_config(
     process_group_backend: str | None,
     timeout: timedelta,
     weighted_loss: bool,
-    secondary_shard_size: int | None = None,
-    quantize_gradients: bool = False,
+    quantize_weights: bool,
+    quantize_gradients: bool,
+    secondary_shard_size: int | None,
 ) -> ZeroConfig:
     """The configuration of the keyword arguments that ``ZeroStrategy`` and ``ZeroFabricStrategy`` both take."""
     engine = EngineOptions(
@@ -113,8 +114,9 @@ def zero_config(
         nvme_path=nvme_path,
         partition=partition,
         shard_size=shard_size,
-        secondary_shard_size=secondary_shard_size,
+        quantize_weights=quantize_weights,
         quantize_gradients=quantize_gradients,
+        secondary_shard_size=secondary_shard_size,
     )
     return ZeroConfig(
         engine,

@@ -69,6 +69,8 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
             1/secondary_shard_size of the units' parameters per rank until backward (see docs/configuration.md).
         quantize_gradients: reduce gradients inside each node, then send them across nodes as int8 with block
             scales, unbiased (stochastic rounding); see docs/configuration.md. Changes nothing on one node.
+        quantize_weights: stage 3: the forward and backward parameter all-gathers send int8 values with one fp32
+            scale per 256 elements (ZeRO++'s qwZ); shards, fp32 masters and checkpoints stay exact.
 
     Raises:
         ValueError: for an invalid option, naming the option, the value and the fix.
@@ -91,8 +93,9 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         weighted_loss: bool = False,
-        secondary_shard_size: int | None = None,
+        quantize_weights: bool = False,
         quantize_gradients: bool = False,
+        secondary_shard_size: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

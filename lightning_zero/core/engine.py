@@ -157,7 +157,12 @@ class ZeroEngine:
         self.backward = BackwardPass(self.model, comm, options.overlap_comm, options.stage, self.scaling)
         if options.stage == 3:
             self.model.scheduler = Stage3Scheduler(
-                units, self.topology.gather, options.overlap_comm, self.backward.passed_over, self.topology.secondary
+                units,
+                self.topology.gather,
+                options.overlap_comm,
+                self.backward.passed_over,
+                self.topology.secondary,
+                options.quantize_weights,
             )
         self.last_step_comm = CommStats()
         self.model.steps = [self._step(o) for o in self.optimizers]

@@ -51,6 +51,8 @@ class EngineOptions:
         quantize_gradients: gradients are reduced inside each node first and cross nodes as int8 with block scales,
             rounded stochastically so the sum stays unbiased (see [Note: quantized gradient reduction]); on one node
             it changes nothing.
+        quantize_weights: stage 3 with ``partition="flat"``: the forward and backward parameter gathers send int8
+            values with block scales; shards, masters and checkpoints stay exact (see [Note: quantized all-gather]).
     """
 
     stage: int = 2
@@ -62,8 +64,9 @@ class EngineOptions:
     nvme_path: str | None = None
     partition: str = "flat"
     shard_size: int | None = None
-    secondary_shard_size: int | None = None
+    quantize_weights: bool = False
     quantize_gradients: bool = False
+    secondary_shard_size: int | None = None
 
     def __post_init__(self) -> None:
         check_choice("stage", self.stage, STAGES, "stage=2")
@@ -80,6 +83,7 @@ class EngineOptions:
                 "uneven parts, which the hierarchical quantized reduction does not split. Use partition='flat' or "
                 "quantize_gradients=False."
             )
+        self._check_quantize_weights()
         object.__setattr__(self, "wrap_policy", resolve_policy("wrap_policy", self.wrap_policy))
 
     def _check_offload(self) -> None:
@@ -103,6 +107,19 @@ class EngineOptions:
                 "Pass nvme_path='/path/to/fast/disk'."
             )
 
+    def _check_quantize_weights(self) -> None:
+        check_bool("quantize_weights", self.quantize_weights)
+        if self.quantize_weights and self.stage != 3:
+            raise ValueError(
+                f"quantize_weights=True needs stage=3 (it quantizes the stage-3 parameter all-gathers), got "
+                f"stage={self.stage}. Use stage=3 or quantize_weights=False."
+            )
+        if self.quantize_weights and self.partition != "flat":
+            raise ValueError(
+                f"quantize_weights=True is not supported with partition={self.partition!r}: its parameter gathers "
+                "have uneven parts per rank. Use partition='flat' (the default) or quantize_weights=False."
+            )
+
     @property
     def bucket_cap_bytes(self) -> int:
         return int(self.bucket_cap_mb * 1024 * 1024)
@@ -119,8 +136,9 @@ class EngineOptions:
             "offload_params": self.offload_params,
             "partition": self.partition,
             "shard_size": self.shard_size,
-            "secondary_shard_size": self.secondary_shard_size,
+            "quantize_weights": self.quantize_weights,
             "quantize_gradients": self.quantize_gradients,
+            "secondary_shard_size": self.secondary_shard_size,
         }
 
 

@@ -126,6 +126,10 @@ PARITY_2 = {
     "hybrid": {"mixed": False, "shard_size": 2, "accumulate": 2, "clip": True},
     "parameter-partition": {"mixed": False, "partition": "parameter"},
     "raise-in-backward": {"mixed": True, "fail_at": 1},
+    # With quantize_weights backward computes with the forward's dequantized values either way: regathered
+    # quantized from the same shards, or copied from the slices of them.
+    "quantized-weights": {"mixed": True, "quantize_weights": True, "accumulate": 2, "clip": True},
+    "quantized-weights-checkpointing": {"mixed": False, "quantize_weights": True, "checkpointing": True},
 }
 # Secondary groups of one rank each (every rank keeps its own full copy until backward), on the same 4 ranks: a
 # spawn of its own would cost more than the cases.

@@ -62,10 +62,10 @@ def _most_staging_alive(rank: int, world_size: int) -> dict[str, int]:
     gathered: list[int] = []  # units gathered (the one about to be too) whenever backward gathers one
 
     def counting(unit: object, start: object) -> object:
-        def start_unshard(comm: Communicator) -> None:
+        def start_unshard(comm: Communicator, quantized: bool = False) -> None:
             if torch._C._current_graph_task_id() != -1:
                 gathered.append(sum(u.gathered_or_pending for u in units) + (not unit.gathered_or_pending))
-            start(comm)
+            start(comm, quantized)
 
         return start_unshard
 

@@ -2,13 +2,14 @@
 
 tests/lightning/test_multinode.py runs this script with the torchrun recipe of docs/launching.md (2 nodes x 2
 processes on two network hosts), passing the recipe's ``--trainer.strategy.init_args.shard_size=K``. In one process
-group every rank fits, in turn, Lightning's ``DDPStrategy``, ``ZeroStrategy(stage=s, shard_size=K)`` for s = 1, 2, 3
-and the flat ``ZeroStrategy(stage=3)``: each from the same initial weights (the model seeds itself) on the same
-per-rank data (Lightning's ``DistributedSampler``), fp32, accumulating 2 batches, clipping the gradient norm, SGD
-with momentum (an element-wise optimizer that does not amplify last-bit differences as Adam's ``1/(sqrt(v)+eps)``
-does on near-zero gradients). Every rank also trains a reordered DDP equivalent alone (every rank's samples one by
-one, in reverse order): its distance to DDP is the spread that rounding alone gives, so a tolerance above it is
-meaningful.
+group every rank fits, in turn, Lightning's ``DDPStrategy``, ``ZeroStrategy(stage=s, shard_size=K)`` for s = 1, 2, 3,
+the flat ``ZeroStrategy(stage=3)``, and that with ZeRO++'s options (``secondary_shard_size`` alone, then with
+``quantize_weights`` and ``quantize_gradients`` too): each from the same initial weights (the model seeds itself) on
+the same per-rank data (Lightning's ``DistributedSampler``), fp32, accumulating 2 batches, clipping the gradient
+norm, SGD with momentum (an element-wise optimizer that does not amplify last-bit differences as Adam's
+``1/(sqrt(v)+eps)`` does on near-zero gradients). Every rank also trains a reordered DDP equivalent alone (every
+rank's samples one by one, in reverse order): its distance to DDP is the spread that rounding alone gives, so a
+tolerance above it is meaningful.
 
 Per fit every rank records the final parameters' largest relative difference to DDP's, ``comm_report()`` of the
 last optimizer step and the bytes its node's link interface received and sent during the fit (``/proc/net/dev``:
@@ -45,6 +46,7 @@ STEPS, ACCUMULATE, CLIP = 4, 2, 0.05
 # Linear(7, 2048) + Linear(2048, 3): 22531 elements (odd, so the shards end in padding), enough that the steps'
 # traffic, not the fits' setup, dominates the link's counters.
 MODEL = {"hidden": 2048, "optimizer": "sgd", "lr": 0.1}
+UNIT_SIZES = (7 * 2048 + 2048, 2048 * 3 + 3)  # the stage-3 units of wrap_policy={nn.Linear}: each Linear's buffer
 SAMPLES = NODES * DEVICES * BATCH_SIZE * ACCUMULATE * STEPS  # one epoch
 
 
@@ -133,6 +135,10 @@ def main() -> None:
         policy = {"wrap_policy": {nn.Linear}} if stage == 3 else {}
         runs[f"hybrid{stage}"] = _fit(ZeroStrategy(stage=stage, shard_size=shard_size, **policy))
     runs["flat3"] = _fit(ZeroStrategy(stage=3, wrap_policy={nn.Linear}))
+    # ZeRO++ on flat stage 3: the secondary shard alone (bit for bit flat3), then all three of its options.
+    zeropp = {"stage": 3, "wrap_policy": {nn.Linear}, "secondary_shard_size": DEVICES}
+    runs["hpz3"] = _fit(ZeroStrategy(**zeropp))
+    runs["zeropp3"] = _fit(ZeroStrategy(**zeropp, quantize_weights=True, quantize_gradients=True))
     reference = runs["ddp"]["state"]
     reordered, norms = _reordered(dist.get_world_size())
     mine = {
@@ -144,6 +150,7 @@ def main() -> None:
             name: {
                 **{key: value for key, value in run.items() if key != "state"},
                 "difference": max(max_rel_diff(reference, run["state"]).values()),
+                "equals_flat3": all(torch.equal(t, runs["flat3"]["state"][k]) for k, t in run["state"].items()),
             }
             for name, run in runs.items()
         },

@@ -71,6 +71,11 @@ def test_lightning_cli_yaml_registry_string(tmp_path: Path) -> None:
     assert cli.trainer.strategy.config.engine.stage == 2
 
 
+def test_lightning_cli_yaml_quantize_weights(tmp_path: Path) -> None:
+    yaml = "\n    class_path: lightning_zero.ZeroStrategy\n    init_args: {stage: 3, quantize_weights: true}"
+    assert _cli(tmp_path, yaml).trainer.strategy.config.engine.quantize_weights is True
+
+
 def test_lightning_cli_rejects_an_invalid_option(tmp_path: Path) -> None:
     """An invalid ``init_args`` value ends the CLI with ZeroStrategy's own error, not a silent default."""
     with pytest.raises(ValueError, match=r"stage=7 is not supported"):

@@ -43,6 +43,13 @@ INVALID = [
     ({"bucket_cap_mb": 2**2000}, r"bucket_cap_mb must be at most .*characters\)"),  # int: never a float
     ({"overlap_comm": "yes"}, r"overlap_comm must be True or False"),
     ({"shard_size": 0}, r"shard_size=0 is not supported; choose a positive int"),
+    ({"quantize_weights": 1, "stage": 3}, r"quantize_weights must be True or False, got 1"),
+    ({"quantize_weights": True, "stage": 2}, r"quantize_weights=True needs stage=3 .*got stage=2"),
+    (
+        {"quantize_weights": True, "stage": 3, "partition": "parameter"},
+        r"quantize_weights=True is not supported "
+        r"with partition='parameter'.*Use partition='flat'",
+    ),
     ({"process_group_backend": "mpi"}, r"process_group_backend='mpi' is not supported"),
     ({"start_method": "forkserver"}, r"start_method='forkserver' is not supported"),
     ({"timeout": 30}, r"timeout must be a datetime.timedelta"),
@@ -92,6 +99,16 @@ def test_shard_size_is_an_engine_option_every_rank_agrees_on() -> None:
     strategy = ZeroStrategy(stage=2, shard_size=2)
     assert strategy.config.engine.shard_size == 2
     assert strategy.config.describe()["shard_size"] == 2
+
+
+def test_quantize_weights_is_an_engine_option_every_rank_agrees_on() -> None:
+    from lightning_zero import ZeroFabricStrategy
+
+    assert ZeroStrategy().config.engine.quantize_weights is False
+    for strategy_class in (ZeroStrategy, ZeroFabricStrategy):
+        config = strategy_class(stage=3, quantize_weights=True).config
+        assert config.engine.quantize_weights is True
+        assert config.describe()["quantize_weights"] is True
 
 
 def test_describe_is_comparable_across_ranks() -> None:

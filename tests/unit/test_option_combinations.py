@@ -23,6 +23,7 @@ VALUES = {
     "start_method": ["popen", "spawn", "fork", "forkserver"],
     "shard_size": [None, 1, 2, 0, -2],
     "weighted_loss": [False, True, "yes"],
+    "quantize_weights": [False, True, 1],
     "overlap_comm": [True, False, 0],
     "timeout": [timedelta(minutes=30), timedelta(seconds=0), 30],
     "wrap_policy": [None, {nn.Linear}, lambda module: False, 5],
@@ -56,6 +57,7 @@ def test_every_pair_of_option_values_constructs_or_raises_a_value_error(chunk: i
         {"stage": 2, "offload_optimizer": "cpu"},
         {"stage": 1, "offload_optimizer": "nvme", "nvme_path": "/tmp", "state_dict_type": "full"},
         {"stage": 3, "wrap_policy": {nn.Linear}, "weighted_loss": True, "start_method": "spawn"},
+        {"stage": 3, "quantize_weights": True, "offload_optimizer": "cpu", "offload_params": "cpu", "shard_size": 2},
     ],
 )
 def test_legal_combinations_construct(options: dict[str, object]) -> None:
@@ -72,6 +74,8 @@ def test_legal_combinations_construct(options: dict[str, object]) -> None:
         ({"partition": "tensor"}, "partition"),
         ({"timeout": timedelta(0)}, "timeout must be positive"),
         ({"nvme_path": 3}, "nvme_path"),
+        ({"stage": 2, "quantize_weights": True}, "quantize_weights"),
+        ({"stage": 3, "quantize_weights": True, "partition": "parameter"}, "quantize_weights"),
     ],
 )
 def test_invalid_combinations_name_the_option(options: dict[str, object], named: str) -> None:

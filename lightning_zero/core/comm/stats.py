@@ -20,6 +20,9 @@ With ``quantize_gradients`` (see [Note: quantized gradient reduction]) what cros
 int8 values and fp32 block scales, ``quantized_nbytes(n)`` bytes for n elements, under ``"quantized_all_to_all"``
 (group ``"cross"``, flat sharding; the exact reduce-scatter before it runs in group ``"node"``) or
 ``"quantized_all_gather"`` (group ``"replicate"``, with ``shard_size``).
+A quantized all-gather (``quantize_weights``, see [Note: quantized all-gather]) counts what travels instead of the
+full buffer's size: its int8 values (one byte per element of every part) plus the fp32 scales of every part, under
+``by_op["all_gather"]``, so the split by node above applies to those bytes.
 """
 
 from __future__ import annotations

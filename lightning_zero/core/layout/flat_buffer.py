@@ -21,6 +21,14 @@ after resizing it back. The parameters stay views of the buffer throughout (thei
 and so do the tensors autograd saved for backward: ``F.linear`` saves ``weight.t()``, a view of the
 buffer's storage. Swapping ``param.data`` instead would leave those saved views holding the old
 storage, i.e. every unit gathered in forward would stay in memory until its backward.
+
+[Note: quantized gathers never reach the shard]
+With ``quantize_weights`` a unit's forward and backward gathers fill the full buffer with dequantized int8 values
+(see [Note: quantized all-gather]): close to the shards' values, not equal. The shard (and the fp32 master of it)
+stays exact: the optimizer steps it, and everything that reads parameters as state (``gathered()``, state dicts,
+checkpoints, ``release()``) gathers exactly. So a :class:`ShardedBuffer` remembers that its full buffer was
+gathered quantized (``quantized``, cleared when freed) and refuses :meth:`ShardedBuffer.write_back` then: the
+approximate values can never be copied into the shard. ``gathered()`` gathers such a unit again, exactly, first.
 """
 
 from __future__ import annotations
@@ -263,6 +271,7 @@ class ShardedBuffer(FlatParamBuffer):
         self._shard: Tensor | None = None
         self._reading: Future[Tensor] | None = None  # a read-ahead of the resting shard (see read_ahead)
         self._written = False
+        self.quantized = False  # the full buffer holds dequantized int8 values, not the shards' exact ones
         super().__init__(params, rank, world_size, device, owners)
 
     @property  # type: ignore[override]
@@ -337,21 +346,27 @@ class ShardedBuffer(FlatParamBuffer):
         """Nothing to send after a step: the new shard is gathered when the unit is next used."""
         return None
 
-    def start_unshard(self, comm: Communicator) -> Work | None:
-        """Give the full buffer its memory back and start gathering every rank's shard into it."""
+    def start_unshard(self, comm: Communicator, quantized: bool = False, what: str = "a buffer") -> Work | None:
+        """Give the full buffer its memory back and start gathering every rank's shard into it; with ``quantized``
+        as int8, ``what`` naming the buffer in errors (see [Note: quantized gathers never reach the shard])."""
         shard = self.shard.to(self.data.device, non_blocking=True)
-        return self.start_gather_from(shard, comm, self.layout.uneven_sizes)
+        return self.start_gather_from(shard, comm, self.layout.uneven_sizes, quantized, what)
 
-    def start_gather_from(self, part: Tensor, comm: Communicator, sizes: Sequence[int] | None) -> Work | None:
+    def start_gather_from(
+        self, part: Tensor, comm: Communicator, sizes: Sequence[int] | None, quantized: bool = False, what: str = ""
+    ) -> Work | None:
         """Give the full buffer its memory back and start gathering every rank of ``comm``'s ``part`` of it (rank
         ``r``'s has ``sizes[r]`` elements, all alike where ``None``) into it: the shards, or the secondary slices (see
-        [Note: secondary shards])."""
+        [Note: secondary shards]); as int8 with ``quantized``."""
         storage = self.data.untyped_storage()
         storage.resize_(self.layout.padded_numel * self.data.element_size())
         # The gather writes back the values autograd saved in forward. It writes through an alias of the
         # storage with a version counter of its own, so backward does not take it for an in-place change of
         # the saved views (the values are the same: see [Note: freeing gathered storage]).
         target = torch.empty(0, dtype=self.data.dtype, device=self.data.device).set_(storage, 0, self.data.shape)
+        self.quantized = quantized
+        if quantized:
+            return comm.all_gather_quantized(target, part, what, async_op=True)
         return comm.all_gather(target, part, async_op=True, sizes=sizes)
 
     def commit_shard(self) -> None:
@@ -360,7 +375,14 @@ class ShardedBuffer(FlatParamBuffer):
         self.reshard()
 
     def write_back(self) -> None:
-        """Copy this rank's part of the gathered buffer into the shard (after the parameters were changed)."""
+        """Copy this rank's part of the gathered buffer into the shard (after the parameters were changed); refused
+        after a quantized gather (see [Note: quantized gathers never reach the shard])."""
+        if self.quantized:
+            raise RuntimeError(
+                "ZeroStrategy(quantize_weights=True): a buffer gathered as int8 holds approximate values and is never "
+                "written back into the exact shard. Gather it exactly (gathered_params / the engine's gathered()) "
+                "before changing parameters."
+            )
         lo, hi = self.bounds
         self.shard.copy_(self.data[lo:hi])
         self._written = True
@@ -368,6 +390,7 @@ class ShardedBuffer(FlatParamBuffer):
     def reshard(self) -> None:
         """Free the full buffer's memory (and, resting on disk, the shard's). See [Note: freeing gathered storage]."""
         self.data.untyped_storage().resize_(0)
+        self.quantized = False
         self.settle()
 
     @property

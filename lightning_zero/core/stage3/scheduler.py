@@ -54,6 +54,8 @@ class Stage3Scheduler:
             (see [Note: units a backward passes over]).
         secondary: the secondary group (``secondary_shard_size``): units keep their slices of it from forward to
             backward, whose gathers read them (see [Note: secondary shards]).
+        quantize: forward and backward gathers send int8 (``quantize_weights``); :meth:`gathered` stays exact (see
+            [Note: quantized gathers never reach the shard]).
     """
 
     def __init__(
@@ -63,8 +65,10 @@ class Stage3Scheduler:
         prefetch: bool,
         on_passed_over: Callable[[list[GatherUnit]], None] = lambda units: None,
         secondary: Communicator | None = None,
+        quantize: bool = False,
     ) -> None:
         self.units = units
+        self.quantize = quantize
         for unit in units[:-1] if secondary is not None else ():  # the root stays gathered from forward to backward
             unit.secondary = SecondaryShards(secondary)
         self.root = units[-1]
@@ -120,18 +124,24 @@ class Stage3Scheduler:
             unit.remove_hooks()
 
     # ------------------------------------------------------------------ between steps
-    def _start(self, unit: GatherUnit, check: bool = True, backward: bool = False) -> None:
+    def _start(self, unit: GatherUnit, check: bool = True, backward: bool = False, exact: bool = False) -> None:
         """Start gathering ``unit`` (a no-op when gathered or started, on every rank alike). With ``check``, once every
         rank agreed that it gathers this unit now (see [Note: divergent control flow at stage 3]); the gathers of a
         backward plan need no check: every rank derives the same plan and issues its entries in order. A
-        ``backward`` gather reads the unit's secondary slices where it kept some (see [Note: secondary shards])."""
-        if unit.buffers and not unit.gathered_or_pending:  # a unit without parameters gathers nothing, anywhere
+        ``backward`` gather reads the unit's secondary slices where it kept some (see [Note: secondary shards]).
+        ``exact``: never quantized, and a unit gathered quantized is gathered again (see [Note: quantized gathers
+        never reach the shard])."""
+        if not unit.buffers:  # a unit without parameters gathers nothing, anywhere
+            return
+        if exact and unit.quantized:
+            unit.start_exact(self.comm)
+        elif not unit.gathered_or_pending:
             if check:
                 self.sequence.check(self._index[unit])
             if backward:
-                unit.start_backward_unshard(self.comm)
+                unit.start_backward_unshard(self.comm, quantized=self.quantize)
             else:
-                unit.start_unshard(self.comm)
+                unit.start_unshard(self.comm, quantized=self.quantize and not exact)
 
     def _unshard(self, unit: GatherUnit, backward: bool = False) -> None:
         self._start(unit, backward=backward)
@@ -184,7 +194,7 @@ class Stage3Scheduler:
         """Every unit gathered inside the block (collective). With ``write_back`` changes made to the parameters
         inside (e.g. ``load_state_dict``) are kept: written into the shards and the ``stores``' copies."""
         for unit in self.units:
-            self._start(unit)
+            self._start(unit, exact=True)
         for unit in self.units:
             unit.wait()
         try:

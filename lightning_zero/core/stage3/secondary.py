@@ -49,6 +49,7 @@ class SecondaryShards:
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
         self.slices: list[Tensor] = []  # per buffer of the unit, 1D; empty while none are kept
+        self.quantized: list[bool] = []  # per buffer: the slices hold values of a quantized gather (quantize_weights)
 
     @property
     def held(self) -> bool:
@@ -71,15 +72,18 @@ class SecondaryShards:
             sizes = self._sizes(buffer)
             start = sum(sizes[: self.comm.rank])
             self.slices.append(buffer.data[start : start + sizes[self.comm.rank]].clone())
+            self.quantized.append(buffer.quantized)
 
     def start_gather(self, buffers: Sequence[ShardedBuffer]) -> list[Work | None]:
         """Start gathering every buffer's full values from the group's slices (the slices stay until :meth:`drop`,
         after the gathers completed)."""
         works = []
-        for buffer, part in zip(buffers, self.slices, strict=True):
+        for buffer, part, quantized in zip(buffers, self.slices, self.quantized, strict=True):
             sizes = self._sizes(buffer)
             works.append(buffer.start_gather_from(part, self.comm, sizes if len(set(sizes)) > 1 else None))
+            # Exact copies travel inside the node, of values that a quantized gather made: never written back.
+            buffer.quantized = quantized
         return works
 
     def drop(self) -> None:
-        self.slices = []
+        self.slices, self.quantized = [], []

@@ -239,18 +239,22 @@ class GatherUnit:
     def gathered_or_pending(self) -> bool:
         return bool(self._pending) or self.state is ShardedState.GATHERED
 
-    def start_unshard(self, comm: Communicator) -> None:
-        """Start gathering without waiting; a no-op when gathered or already started."""
+    def start_unshard(self, comm: Communicator, quantized: bool = False) -> None:
+        """Start gathering without waiting (as int8 with ``quantized``, see [Note: quantized gathers never reach the
+        shard]); a no-op when gathered or already started."""
         if not self.gathered_or_pending:
             with engine_access():
-                self._pending = [buffer.start_unshard(comm) for buffer in self.buffers]
+                self._pending = [
+                    buffer.start_unshard(comm, quantized, f"unit {self.name!r} buffer {index} ({buffer.data.dtype})")
+                    for index, buffer in enumerate(self.buffers)
+                ]
             self._count()
 
-    def start_backward_unshard(self, comm: Communicator) -> None:
+    def start_backward_unshard(self, comm: Communicator, quantized: bool = False) -> None:
         """:meth:`start_unshard` for backward: from the secondary slices where they are kept, inside the secondary
-        group (see [Note: secondary shards])."""
+        group (see [Note: secondary shards]), else as :meth:`start_unshard` with ``quantized``."""
         if not self.holds_secondary or self.gathered_or_pending:
-            self.start_unshard(comm)
+            self.start_unshard(comm, quantized)
             return
         assert self.secondary is not None
         with engine_access():
@@ -275,6 +279,21 @@ class GatherUnit:
             assert self.secondary is not None
             self.secondary.drop()
             self._count()
+
+    @property
+    def quantized(self) -> bool:
+        """Some buffer holds values of a quantized gather (started or done)."""
+        return any(buffer.quantized for buffer in self.buffers)
+
+    def start_exact(self, comm: Communicator) -> None:
+        """Start gathering exactly: a unit gathered quantized is gathered again, into the same storage (the views
+        autograd saved keep theirs); otherwise as :meth:`start_unshard`."""
+        if self.quantized:
+            self.wait()
+            with engine_access():
+                self._pending = [buffer.start_unshard(comm) for buffer in self.buffers]
+            return
+        self.start_unshard(comm)
 
     def read_ahead(self) -> None:
         """Start reading shards that rest on disk (``offload_params="nvme"``): the unit is gathered next."""
