@@ -202,7 +202,7 @@ def test_slurm_tasks_on_two_hosts(
 
 
 HYBRID_TOLERANCE = 1e-5
-ZEROPP_TOLERANCE = 2e-2  # quantized weights and gradients: how far 4 SGD steps may move from DDP (measured: below)
+ZEROPP_TOLERANCE = 2e-3  # quantized weights and gradients: 4 SGD steps from DDP (measured 4.7e-4; flat3 8.3e-8)
 HYBRID_FLAG = "--trainer.strategy.init_args.shard_size=2"
 EXAMPLE = f"examples/gpt.py fit --config {CONFIG}"
 
