@@ -33,6 +33,8 @@ def run_all(rank: int, world_size: int, directory: str) -> dict[str, Any]:
         ("zero_to_dcp", _zero_to_dcp),
         ("dcp_resume", _dcp_resume),
         ("fsdp_to_zero", _fsdp_to_zero),
+        ("mps_to_zero", _mps_to_zero),
+        ("zero_to_mps", _zero_to_mps),
         ("tied", _tied),
         ("mismatch", _mismatch),
     ]:
@@ -143,6 +145,50 @@ def _fsdp_to_zero(rank: int, world_size: int, root: Path) -> dict[str, Any]:
         case = _two_layer_case(strategy=stage, trainer={"max_steps": 2}, ckpt_path=str(root / f"fsdp-{layout}"))
         resumed[stage] = fit_case(world_size, case)["state"]
     return {"reference": reference, "resumed": resumed}
+
+
+GROUPS = {"param_groups": True}  # TwoLayer with two param groups (own lr, weight decay) and a per-step LambdaLR
+_KEEP = ("state", "start_step", "global_step")
+
+
+def _mps_case(**kwargs: Any) -> dict[str, Any]:
+    return {"model": "two_layer_fsdp", "strategy": "model_parallel", "samples": SAMPLES, **kwargs}
+
+
+def _mps_to_zero(rank: int, world_size: int, root: Path) -> dict[str, Any]:
+    """Lightning's ModelParallelStrategy (FSDP2) trains 4 steps, saving with trainer.save_checkpoint after 2 (a DCP
+    directory with meta.pt); resumed from it by ModelParallelStrategy itself and by ZeroStrategy at stages 1-3; and
+    the same with two param groups and an LR scheduler (GROUPS), resumed at stage 3."""
+    out: dict[str, Any] = {}
+    for label, kwargs, resumers in [("one_group", {}, ["model_parallel", 1, 2, 3]), ("groups", GROUPS, [3])]:
+        saved = root / f"mps-{label}.ckpt"
+        mps = _mps_case(trainer={"max_steps": 4}, model_kwargs=kwargs)
+        uninterrupted = fit_case(world_size, {**mps, "save_at": (2, str(saved))})["state"]
+        resumed = {}
+        for resumer in resumers:
+            # the same LightningModule class under either strategy ("model_parallel" or a ZeRO stage)
+            run = fit_case(world_size, {**mps, "strategy": resumer, "ckpt_path": str(saved)})
+            resumed[resumer] = {k: run[k] for k in _KEEP}
+        out[label] = {"uninterrupted": uninterrupted, "resumed": resumed}
+    return out
+
+
+def _zero_to_mps(rank: int, world_size: int, root: Path) -> dict[str, Any]:
+    """ZeroStrategy stage 3 saves after 2 of 4 steps (_zero_to_dcp's directory; here also with two param groups and
+    an LR scheduler), convert writes it as DCP, ModelParallelStrategy resumes with fit(ckpt_path=...)."""
+    from lightning_zero import convert
+
+    sharded, converted = root / "zero3-groups.ckpt", root / "zero3-groups-dcp"
+    case = _mps_case(strategy=3, trainer={"max_steps": 4}, model_kwargs=GROUPS)  # the class ModelParallel resumes
+    uninterrupted = fit_case(world_size, {**case, "save_at": (2, str(sharded))})["state"]
+    if rank == 0:
+        convert(sharded, converted, to="dcp")
+    dist.barrier()
+    out: dict[str, Any] = {"groups_uninterrupted": uninterrupted}
+    for label, directory, kwargs in [("one_group", root / "zero3-dcp", {}), ("groups", converted, GROUPS)]:
+        run = fit_case(world_size, _mps_case(trainer={"max_steps": 4}, model_kwargs=kwargs, ckpt_path=str(directory)))
+        out[label] = {k: run[k] for k in _KEEP}
+    return out
 
 
 def _tied(rank: int, world_size: int, root: Path) -> dict[str, Any]:

@@ -5,7 +5,9 @@ themselves in ``__init__`` so that every rank and every strategy starts from the
 
 A *case* is a plain dict so that a whole list of cases can be sent to the ranks in one spawn:
 
-- ``strategy``: ``"ddp"`` (the oracle: ``DDPStrategy(find_unused_parameters=True)``) or a ZeRO stage (1, 2);
+- ``strategy``: ``"ddp"`` (the oracle: ``DDPStrategy(find_unused_parameters=True)``), a ZeRO stage (1, 2, 3) or
+  ``"model_parallel"`` (Lightning's ``ModelParallelStrategy``, FSDP2 data parallel over every rank: use the model
+  ``"two_layer_fsdp"``);
 - ``model``: a key of :data:`MODELS`; ``model_kwargs``: its keyword arguments;
 - ``trainer``: extra ``Trainer`` keyword arguments (``max_steps``, ``accumulate_grad_batches``, clipping);
 - ``strategy_kwargs``: extra ``ZeroStrategy`` keyword arguments;
@@ -22,7 +24,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -193,8 +195,25 @@ class PartlyUsed(TwoLayer):
         return nn.functional.mse_loss(out, y)
 
 
+class FsdpTwoLayer(TwoLayer):
+    """TwoLayer for Lightning's ``ModelParallelStrategy`` too: there ``configure_model`` applies FSDP2 (``fully_shard``)
+    to each block, then the root, over the data-parallel mesh; same weights, keys and AdamW as TwoLayer. Under any
+    other strategy (no device mesh) it is TwoLayer: one class moves between the two strategies."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        if self.device_mesh is None:  # not under ModelParallelStrategy
+            return
+        mesh = self.device_mesh["data_parallel"]
+        fully_shard(self.a, mesh=mesh)
+        fully_shard(self.b, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
 MODELS: dict[str, type[pl.LightningModule]] = {
     "two_layer": TwoLayer,
+    "two_layer_fsdp": FsdpTwoLayer,
     "tied": TiedLM,
     "manual": TwoOptimizerManual,
     "partly_used": PartlyUsed,
@@ -222,11 +241,18 @@ def make_loader(model: str, samples: int = 96) -> DataLoader:
     return DataLoader(dataset, batch_size=BATCH_SIZE)
 
 
-def make_strategy(case: dict[str, Any]) -> Strategy:
+def make_strategy(case: dict[str, Any], world_size: int | None = None) -> Strategy:
     from lightning_zero import ZeroStrategy
 
     if case["strategy"] == "ddp":
         return DDPStrategy(find_unused_parameters=True)
+    if case["strategy"] == "model_parallel":
+        # [Note: ModelParallelStrategy's data split] its default mesh is data_parallel_size=num_nodes, so on one
+        # node every rank would be fed the same batches; FSDP2 over all ranks as DDP / ZeRO splits the data
+        # (Lightning's DistributedSampler then gets num_replicas=world_size, rank=global rank, as for ZeroStrategy).
+        if world_size is None:
+            raise ValueError("make_strategy(case, world_size): 'model_parallel' needs the world size for its mesh")
+        return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
     return ZeroStrategy(stage=case["strategy"], **case.get("strategy_kwargs", {}))
 
 
@@ -266,13 +292,23 @@ class SaveAt(pl.Callback):
             trainer.save_checkpoint(self.path)
 
 
+class StartStep(pl.Callback):
+    """The global step at which ``fit`` started training (after any checkpoint's loop state was restored)."""
+
+    step: int | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.step = trainer.global_step
+
+
 def fit_case(world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     """Run one case on this rank (inside a process group); return its parameters and some trainer facts."""
     model = MODELS[case["model"]](**case.get("model_kwargs", {}))
     trainer_kwargs = dict(case.get("trainer", {}))
-    if case.get("save_at"):
-        trainer_kwargs["callbacks"] = [SaveAt(*case["save_at"])]
-    trainer = make_trainer(world_size, make_strategy(case), **trainer_kwargs)
+    start = StartStep()
+    save_at = [SaveAt(*case["save_at"])] if case.get("save_at") else []
+    trainer_kwargs["callbacks"] = [start, *trainer_kwargs.get("callbacks", []), *save_at]
+    trainer = make_trainer(world_size, make_strategy(case, world_size), **trainer_kwargs)
     loader = make_loader(case["model"], case.get("samples", 96))
     trainer.fit(model, loader, ckpt_path=case.get("ckpt_path"))
     from lightning_zero import ZeroStrategy
@@ -280,9 +316,18 @@ def fit_case(world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     if isinstance(trainer.strategy, ZeroStrategy):
         with trainer.strategy.gathered_params():  # stage 3 keeps only shards after fit
             state = state_of(model)
+    elif isinstance(trainer.strategy, ModelParallelStrategy):  # DTensor shards: gather the full tensors
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # on every rank
     else:
         state = state_of(model)
-    return {"state": state, "global_step": trainer.global_step, "record": getattr(model, "record", None)}
+    return {
+        "state": state,
+        "global_step": trainer.global_step,
+        "start_step": start.step,
+        "record": getattr(model, "record", None),
+    }
 
 
 def fit_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,5 +1,6 @@
-"""The DCP bridge (docs/checkpoints.md): ZeroStrategy -> convert -> FSDP2 / a plain model / ZeroStrategy again, and
-FSDP2 -> ZeroStrategy at stages 1-3. One spawn of 2 gloo ranks runs every case (tests/lightning/dcp_cases.py)."""
+"""The DCP bridge (docs/checkpoints.md): ZeroStrategy -> convert -> FSDP2 / a plain model / ZeroStrategy again /
+Lightning's ModelParallelStrategy, and FSDP2 or ModelParallelStrategy -> ZeroStrategy at stages 1-3. One spawn of 2
+gloo ranks runs every case (tests/lightning/dcp_cases.py)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,34 @@ def test_fsdp2_to_zero_continues_as_fsdp2(ranks: Any, stage: int) -> None:
     its next 2 steps equal FSDP2's own."""
     result = _case(ranks, "fsdp_to_zero")
     _close(result["reference"], result["resumed"][stage])
+
+
+@pytest.mark.parametrize(
+    ("label", "resumer"),
+    [("one_group", "model_parallel"), ("one_group", 1), ("one_group", 2), ("one_group", 3), ("groups", 3)],
+)
+def test_model_parallel_strategy_to_zero(ranks: Any, label: str, resumer: str | int) -> None:
+    """Lightning's ModelParallelStrategy (FSDP2) saves with trainer.save_checkpoint after 2 of 4 steps; ZeroStrategy at
+    each stage resumes from the directory at step 2 (loop state from meta.pt) and ends as ModelParallelStrategy
+    uninterrupted, and as ModelParallelStrategy resuming itself; "groups": two param groups and a LambdaLR."""
+    result = _case(ranks, "mps_to_zero")[label]
+    for rank in range(2):
+        resumed = _case(ranks, "mps_to_zero", rank)[label]["resumed"][resumer]
+        assert (resumed["start_step"], resumed["global_step"]) == (2, 4), rank
+        _close(result["uninterrupted"], resumed["state"])
+
+
+@pytest.mark.parametrize("label", ["one_group", "groups"])
+def test_zero_to_model_parallel_strategy(ranks: Any, label: str) -> None:
+    """ZeroStrategy stage 3 saved after 2 of 4 steps, converted to DCP, resumed by ModelParallelStrategy with
+    fit(ckpt_path=...): it starts at step 2 and ends as ZeroStrategy uninterrupted, on every rank ("groups": two param
+    groups and a LambdaLR)."""
+    zero = _case(ranks, "zero_to_mps")
+    expected = _case(ranks, "zero_to_dcp")["uninterrupted"] if label == "one_group" else zero["groups_uninterrupted"]
+    for rank in range(2):
+        resumed = _case(ranks, "zero_to_mps", rank)[label]
+        assert (resumed["start_step"], resumed["global_step"]) == (2, 4), rank
+        _close(expected, resumed["state"])
 
 
 def test_tied_weights_resume_from_converted_directory(ranks: Any) -> None:
