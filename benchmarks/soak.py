@@ -85,7 +85,7 @@ def rank_loop(rank: int, world_size: int, args: argparse.Namespace) -> dict[str,
             records["rss"].append(rss_bytes())
             records["comm"].append(engine.last_step_comm.nbytes)
             assert engine.model.scheduler is not None
-            records["grad_hooks"].append(len(engine.model.scheduler._grad_hooks))
+            records["grad_hooks"].append(len(engine.model.scheduler.grad_hooks))
             hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
             records["forward_hooks"].append(hooks)
     return {"records": records, "params": sum(p.numel() for p in model.parameters()), "loss": float(loss)}

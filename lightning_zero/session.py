@@ -44,7 +44,7 @@ from lightning_zero.core.memory import MemoryReport
 from lightning_zero.core.mixed_precision import DynamicLossScaler, PrecisionPolicy
 from lightning_zero.core.named_state import PARAM_NAMES_KEY, restore_added_param_groups
 from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
-from lightning_zero.core.stage3.scheduler import NoScheduler
+from lightning_zero.core.stage3.no_scheduler import NoScheduler
 from lightning_zero.version import __version__
 
 NOT_SET_UP = "ZeroStrategy has no sharded state yet: call this during or after Trainer.fit setup."

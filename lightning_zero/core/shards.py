@@ -24,7 +24,8 @@ from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
 from lightning_zero.core.layout.resting import RestingParameter, engine_access
 from lightning_zero.core.memory import MemoryReport, StepPeak, tensor_nbytes
 from lightning_zero.core.peak import PeakLedger
-from lightning_zero.core.stage3.scheduler import NoScheduler, Stage3Scheduler
+from lightning_zero.core.stage3.no_scheduler import NoScheduler
+from lightning_zero.core.stage3.scheduler import Stage3Scheduler
 from lightning_zero.core.stage3.units import GatherUnit
 from lightning_zero.core.step.buckets import GradBucket
 from lightning_zero.core.step.optimizer_step import OptimizerStep

@@ -33,11 +33,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.stage3.divergence import GatherSequence
+from lightning_zero.core.stage3.forward_order import ForwardOrder
+from lightning_zero.core.stage3.grad_hooks import GradHooks
 from lightning_zero.core.stage3.secondary import SecondaryShards
 from lightning_zero.core.stage3.units import GatherUnit
 from lightning_zero.core.store.stores import ShardStore
@@ -87,11 +88,8 @@ class Stage3Scheduler:
         self._plan_open = False  # a backward was announced and has not ended
         self._root_held = False  # the caller uses root parameters across backward passes (see hold_root)
         self._running_task: int | None = None  # the autograd graph task now running through units, until it ends
-        self._order: list[GatherUnit] = []  # forward gather order of the last complete pass (prefetch)
-        self._seen: list[GatherUnit] = []  # this pass's forward gather order so far
-        self._forward_cursor = 0
-        self._grad_hooks: dict[int, Any] = {}  # handles of the gradient hooks on units' outputs and inputs
-        self._spent_hooks: list[Any] = []  # those that fired (see _grad_hook)
+        self.forward_order = ForwardOrder()  # the prefetch's guess
+        self.grad_hooks = GradHooks()  # on units' outputs and inputs
         self.register_hooks()
 
     @property
@@ -153,8 +151,8 @@ class Stage3Scheduler:
         self.abandon_backward()
         self._recorded = []
         self._clear_plan()
-        self._remove_grad_hooks(spent_only=False)  # forwards of earlier iterations get no backward any more
-        self._seen, self._forward_cursor = [], 0
+        self.grad_hooks.remove(spent_only=False)  # forwards of earlier iterations get no backward any more
+        self.forward_order.forget_pass()
         for unit in self.units:
             unit.reshard()
             unit.drop_secondary()
@@ -171,9 +169,7 @@ class Stage3Scheduler:
         for unit in self.units:
             unit.reshard()
             unit.drop_secondary()
-        if self._seen:
-            self._order, self._seen = self._seen, []
-        self._forward_cursor = 0
+        self.forward_order.end_pass()
 
     @contextmanager
     def hold_root(self) -> Iterator[None]:
@@ -219,8 +215,11 @@ class Stage3Scheduler:
                 self._need(unit)
                 return
             self._unshard(unit)
-            self._seen.append(unit)
-            self._prefetch_forward(unit)
+            following, after = self.forward_order.gathered(unit)
+            if self.prefetch and following is not None:
+                self._start(following)
+                if after is not None:
+                    after.read_ahead()  # shards resting on disk: read while this unit computes
 
         return hook
 
@@ -230,7 +229,7 @@ class Stage3Scheduler:
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
                 if tensors:
-                    self._need_hook(tensors, lambda: self._need(unit))
+                    self.grad_hooks.on_first_gradient(tensors, lambda: self._need(unit))
                     if not recomputing and not unit.is_root:
                         self._recorded.append(unit)
                         self._hook_inputs(unit, args)
@@ -247,78 +246,19 @@ class Stage3Scheduler:
         # Leaves are left out: torch.autograd.grad cannot tell whether it reaches them (a saliency map).
         inputs = [t for t in tree_leaves(args) if isinstance(t, Tensor) and t.requires_grad and t.grad_fn is not None]
         if inputs:
-            self._grad_hook(inputs, lambda: self._inputs_done(unit), mode="all")
+            self.grad_hooks.on_gradients(inputs, lambda: self._inputs_done(unit), mode="all")
             self._input_hooks[unit] += 1
-
-    def _grad_hook(self, tensors: list[Tensor], fn: Callable[[], None], mode: str) -> None:
-        """Call ``fn`` when the gradients of ``tensors`` arrive (``mode`` as ``register_multi_grad_hook``'s). A hook
-        that fired is removed after the backward (not inside it: autograd is iterating over it), one that never
-        fired at the next iteration: torch's "all" hook holds the autograd nodes it is registered on, a cycle
-        through C++ nodes that Python's collector does not free, which kept each step's graph nodes and hooks
-        alive (resident memory grew every step, faster the more units)."""
-        handles: list[Any] = []
-
-        def fire(grads: Any) -> None:
-            fn()
-            self._spent_hooks.extend(handles)
-
-        handles.append(register_multi_grad_hook(tensors, fire, mode=mode))
-        self._grad_hooks[id(handles[0])] = handles[0]
-
-    def _need_hook(self, tensors: list[Tensor], fn: Callable[[], None]) -> None:
-        """Call ``fn`` once per backward pass, when the first of ``tensors``' gradients arrives, but after the other
-        hooks on those gradients: the next unit's inputs are this unit's outputs, and the hook that frees it (see
-        :meth:`_hook_inputs`) fires on the same gradients. Autograd runs a node's pre-hooks after the hooks of the
-        tensors it made, so as one, ``fn`` gathers this unit only once the next one is freed (as a tensor hook, it
-        ran first: both units were gathered at once, with the full-size gradient of the freed one)."""
-        if any(t.grad_fn is None for t in tensors):
-            self._grad_hook(tensors, fn, mode="any")  # a leaf has no node to hook
-            return
-        nodes = list({id(t.grad_fn): t.grad_fn for t in tensors}.values())
-        handles: list[Any] = []
-        fired: set[int] = set()  # graph tasks in which fn ran
-
-        def fire(grad_outputs: Any) -> None:
-            task = torch._C._current_graph_task_id()
-            if task not in fired:
-                fired.add(task)
-                fn()
-                self._spent_hooks.extend(handles)
-
-        handles.extend(node.register_prehook(fire) for node in nodes)
-        for handle in handles:
-            self._grad_hooks[id(handle)] = handle
-
-    def _remove_grad_hooks(self, spent_only: bool) -> None:
-        for handle in self._spent_hooks if spent_only else list(self._grad_hooks.values()):
-            handle.remove()
-            self._grad_hooks.pop(id(handle), None)
-        self._spent_hooks = []
 
     def _inputs_done(self, unit: GatherUnit) -> None:
         self._input_hooks[unit] = max(0, self._input_hooks[unit] - 1)
         if not self._input_hooks[unit] and not self._remaining[unit] and unit not in self._pinned:
             unit.reshard()
 
-    def _prefetch_forward(self, unit: GatherUnit) -> None:
-        if not self.prefetch:
-            return
-        position = next((i for i in range(self._forward_cursor, len(self._order)) if self._order[i] is unit), None)
-        if position is None:
-            return
-        self._forward_cursor = position + 1
-        if position + 1 < len(self._order):
-            self._start(self._order[position + 1])
-        if position + 2 < len(self._order):
-            self._order[position + 2].read_ahead()  # shards resting on disk: read while this unit computes
-
     # ------------------------------------------------------------------ backward
     def open_plan(self) -> None:
         """A backward is about to run (on every rank): the units recorded since the last plan, in reverse order."""
         self._plan_open = True
-        self.sequence.check_plan(
-            [self._index[unit] for unit in self._recorded]
-        )  # see [Note: divergent control flow at stage 3]
+        self.sequence.check_plan([self._index[u] for u in self._recorded])  # [Note: divergent control flow at stage 3]
         self._plan.extend(reversed(self._recorded))
         self._remaining.update(self._recorded)
         self._recorded = []
@@ -396,61 +336,13 @@ class Stage3Scheduler:
         records a new plan."""
         self._running_task = None
         self._clear_plan()
-        self._remove_grad_hooks(spent_only=True)
+        self.grad_hooks.remove(spent_only=True)
         for unit in self.units if not self._root_held else self.units[:-1]:
             unit.reshard()
         for unit in self.units:
             unit.drop_secondary()
-        if self._seen:
-            self._order, self._seen = self._seen, []
-        self._forward_cursor = 0
+        self.forward_order.end_pass()
 
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-class NoScheduler:
-    """Stages 1 and 2: every parameter is held in full, so there is nothing to gather or free. The engine talks to
-    it as to a :class:`Stage3Scheduler`, without asking which stage it runs."""
-
-    units: tuple[GatherUnit, ...] = ()
-    pass_running = False
-
-    def abandon_backward(self) -> None:
-        pass
-
-    def begin_iteration(self) -> None:
-        pass
-
-    def register_hooks(self) -> None:
-        pass
-
-    def remove_hooks(self) -> None:
-        pass
-
-    def unshard_root(self) -> None:
-        pass
-
-    def reshard_all(self) -> None:
-        pass
-
-    def open_plan(self) -> None:
-        pass
-
-    def finish_backward(self) -> None:
-        pass
-
-    def end_backward(self) -> None:
-        pass
-
-    def gradients_complete(self, unit: GatherUnit) -> None:
-        pass
-
-    @contextmanager
-    def hold_root(self) -> Iterator[None]:
-        yield
-
-    @contextmanager
-    def gathered(self, write_back: bool = False, stores: Callable[[], Iterable[ShardStore]] = tuple) -> Iterator[None]:
-        yield
