@@ -8,13 +8,19 @@ options, recorded on 2 real gloo ranks,
   differs between ranks is legal);
 - nothing calls ``torch.distributed`` behind the communicator's back (a collective outside it would neither be
   counted nor read the failure notices).
+
+ZeRO++'s options (``quantize_weights``, ``quantize_gradients``, ``secondary_shard_size``) join the record with the
+2 ranks numbered as 2 nodes of 1 (``ranks_per_node=1``), so that the secondary and the node/cross groups exist and
+the gradients cross "nodes" quantized.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +41,13 @@ OFFLOADS = {  # name -> (offload_optimizer, offload_params)
     "params_nvme": ("nvme", "nvme"),
 }
 PRECISIONS = ("32-true", "bf16-mixed")
+ZEROPP = {  # name -> (quantize_weights, quantize_gradients, secondary_shard_size)
+    "-": (False, False, None),
+    "qw": (True, False, None),
+    "qg": (False, True, None),
+    "hp": (False, False, 1),
+    "pp": (True, True, 1),
+}
 COMMUNICATOR_METHODS = (
     "agree",
     "all_gather_object",
@@ -45,6 +58,8 @@ COMMUNICATOR_METHODS = (
     "reduce_scatter",
     "exchange_tags",
     "barrier",
+    "all_to_all",
+    "all_gather_quantized",
 )
 RAW_COLLECTIVES = (
     "all_reduce",
@@ -59,18 +74,29 @@ RAW_COLLECTIVES = (
     "all_gather_object",
     "broadcast_object_list",
     "barrier",
+    "all_to_all",
+    "all_to_all_single",
 )
 
 
-def combinations() -> list[tuple[int, str, str, str, int | None]]:
+Case = tuple[int, str, str, str, int | None, str]
+
+
+def combinations() -> list[Case]:
     """Every stage x partition x offload x precision, flat; in fp32 also hybrid (``shard_size=1`` on 2 ranks: a
-    shard group per rank and one replicate group)."""
-    cases = []
+    shard group per rank and one replicate group). ZeRO++: every option and all three at stage 3 (flat partition)
+    with and without offloaded parameters, in both precisions, all three also hybrid; ``quantize_gradients`` at
+    stages 1 and 2."""
+    cases: list[Case] = []
     for stage, partition, offload, precision in itertools.product(STAGES, PARTITIONS, OFFLOADS, PRECISIONS):
         if offload.startswith("params") and stage != 3:
             continue
         for shard_size in (None, 1) if precision == "32-true" else (None,):
-            cases.append((stage, partition, offload, precision, shard_size))
+            cases.append((stage, partition, offload, precision, shard_size, "-"))
+    for zeropp, offload, precision in itertools.product(("qw", "qg", "hp", "pp"), ("none", "params_cpu"), PRECISIONS):
+        cases.append((3, "flat", offload, precision, None, zeropp))
+    cases.append((3, "flat", "cpu", "32-true", 1, "pp"))
+    cases += [(stage, "flat", "none", precision, None, "qg") for stage in (1, 2) for precision in PRECISIONS]
     return cases
 
 
@@ -145,9 +171,7 @@ class Recorder:
         return wrapper
 
 
-def _record(
-    rank: int, world_size: int, cases: list[tuple[int, str, str, str, int | None]], nvme: str
-) -> dict[str, Any]:
+def _record(rank: int, world_size: int, cases: list[Case], nvme: str) -> dict[str, Any]:
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     recorder = Recorder()
     recorder.install()
@@ -157,12 +181,13 @@ def _record(
     from lightning_zero.core.options import EngineOptions
 
     results: dict[str, Any] = {}
-    for index, (stage, partition, offload, precision, shard_size) in enumerate(cases):
+    for index, (stage, partition, offload, precision, shard_size, zeropp) in enumerate(cases):
         recorder.events, recorder.outside = [], []
         torch.manual_seed(0)
         model = Blocks()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         offload_optimizer, offload_params = OFFLOADS[offload]
+        quantize_weights, quantize_gradients, secondary_shard_size = ZEROPP[zeropp]
         options = EngineOptions(
             stage=stage,
             partition=partition,
@@ -173,9 +198,13 @@ def _record(
             wrap_policy={nn.Linear} if stage == 3 else None,
             overlap_comm=index % 2 == 0,
             shard_size=shard_size,
+            quantize_weights=quantize_weights,
+            quantize_gradients=quantize_gradients,
+            secondary_shard_size=secondary_shard_size,
         )
         policy = PrecisionPolicy(torch.bfloat16, torch.float32, torch.float32) if precision == "bf16-mixed" else None
-        engine = ZeroEngine(model, [optimizer], options, Communicator(), precision=policy)
+        with _nodes_of_one(zeropp != "-", rank):  # ZeRO++: 2 nodes of 1 rank
+            engine = ZeroEngine(model, [optimizer], options, Communicator(), precision=policy)
         setup = len(recorder.events)
         for step in range(3):
             engine.begin_iteration()
@@ -194,12 +223,25 @@ def _record(
             optimizer.step()
             engine.model.scheduler.reshard_all()
         engine.release()
-        results[f"{stage}/{partition}/{offload}/{precision}/{shard_size}"] = {
+        results["/".join(map(str, (stage, partition, offload, precision, shard_size, zeropp)))] = {
             "events": recorder.events,
             "setup": setup,
             "outside": recorder.outside,
         }
     return results
+
+
+@contextlib.contextmanager
+def _nodes_of_one(active: bool, rank: int) -> Iterator[None]:
+    """The environment a launcher gives a rank alone on its node, inside the block (where ``active``)."""
+    saved = {name: os.environ.get(name) for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    if active:
+        os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
 
 
 @pytest.fixture(scope="module")
@@ -223,11 +265,22 @@ def test_setup_agrees_first_and_every_rank_issues_the_same_collectives(
         assert all(i >= 2 for i in groups), f"rank {rank}: a group was created before the agreements"
         if case.startswith("3/"):
             assert groups, "stage 3 gathers over a group of its own"
-        if case.endswith("/1"):
-            assert {"shard", "replicate"} <= {e[0] for e in events}, f"rank {rank}: hybrid used {set(events)}"
+        roles = {e[0] for e in events}
+        shard_size, zeropp = case.split("/")[-2:]
+        if shard_size == "1":
+            assert {"shard", "replicate"} <= roles, f"rank {rank}: hybrid used {roles}"
+        if zeropp in ("hp", "pp"):
+            assert ("secondary", "all_gather") in events, f"rank {rank}: backward never gathered a secondary shard"
+        if zeropp in ("qw", "pp"):
+            assert ("gather", "all_gather_quantized") in events, f"rank {rank}: no quantized gather in {roles}"
+        if zeropp in ("qg", "pp"):
+            quantized = {"all_to_all", "all_gather"} if shard_size == "None" else {"all_gather"}
+            assert any(e in events for e in itertools.product(("cross", "replicate"), quantized)), (
+                f"rank {rank}: gradients never crossed the nodes: {sorted(set(events))}"
+            )
         assert record["outside"] == [], f"rank {rank}: collectives outside the communicator: {record['outside']}"
     first, second = (per_rank[case]["events"] for per_rank in records)
-    for group in ("world", "shard", "gather", "replicate"):
+    for group in {e[0] for e in first + second}:
         ours = [e for e in first if e[0] == group]
         theirs = [e for e in second if e[0] == group]
         assert ours == theirs, f"the ranks' {group} collectives differ: {ours} vs {theirs}"
