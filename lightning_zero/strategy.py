@@ -70,7 +70,8 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         quantize_gradients: reduce gradients inside each node, then send them across nodes as int8 with block
             scales, unbiased (stochastic rounding); see docs/configuration.md. Changes nothing on one node.
         quantize_weights: stage 3: the forward and backward parameter all-gathers send int8 values with one fp32
-            scale per 256 elements (ZeRO++'s qwZ); shards, fp32 masters and checkpoints stay exact.
+            scale per 256 elements of a tensor, 1-D tensors exact (ZeRO++'s qwZ); shards, fp32 masters and
+            checkpoints stay exact.
 
     Raises:
         ValueError: for an invalid option, naming the option, the value and the fix.

@@ -26,7 +26,7 @@ from lightning_zero.core.comm.topology import Topology
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.mixed_precision import DynamicLossScaler, PrecisionPolicy
 from lightning_zero.core.options import EngineOptions
-from lightning_zero.core.step.quantized_reduction import QuantizedReduction
+from lightning_zero.core.step.quantized_reduction import GRADIENT_BLOCK, QuantizedReduction
 from tests.distributed.models import TinyLM, batch, loss_fn
 from tests.helpers import run_on_ranks
 
@@ -234,7 +234,7 @@ def test_bytes_across_nodes_equal_the_formula(two_nodes: list[dict[str, Any]], s
     becomes an all-gather of quantized shards (one of two crosses). Everything else is the same collectives."""
     for out in two_nodes:
         plain, quantized = out[f"plain/{stage}"], out[f"quantized/{stage}"]
-        travelled = sum(quantized_nbytes(shard) for shard in quantized["shards"])
+        travelled = sum(quantized_nbytes(shard, GRADIENT_BLOCK) for shard in quantized["shards"])
         assert quantized["shards"] == plain["shards"]
         assert quantized["by_op"]["quantized_all_to_all"] == NODES * travelled
         assert quantized["by_op"]["reduce_scatter"] == plain["by_op"]["reduce_scatter"]  # now inside the node
@@ -242,17 +242,17 @@ def test_bytes_across_nodes_equal_the_formula(two_nodes: list[dict[str, Any]], s
         exact = plain["by_op"]["reduce_scatter"] // 2  # what the flat reduce-scatter sent across
         assert quantized["inter"] == plain["inter"] - exact + travelled
         # fp32: 1 byte an element instead of 4, and each rank sends its own slices only (not 1/N of the bucket)
-        scales = 4 * sum(-(-shard // QUANT_BLOCK) for shard in quantized["shards"])
+        scales = 4 * sum(-(-shard // GRADIENT_BLOCK) for shard in quantized["shards"])
         assert travelled - scales == exact // (4 * LOCAL)
         print(f"stage {stage} flat: gradient bytes across nodes {travelled} vs {exact} ({travelled / exact:.3f})")
 
         plain, quantized = out[f"plain-hybrid/{stage}"], out[f"quantized-hybrid/{stage}"]
-        travelled = sum(quantized_nbytes(shard) for shard in quantized["shards"])
+        travelled = sum(quantized_nbytes(shard, GRADIENT_BLOCK) for shard in quantized["shards"])
         assert "all_reduce" not in quantized["by_op"]
         assert quantized["by_op"]["quantized_all_gather"] == NODES * travelled
         exact = plain["by_op"]["all_reduce"] // 2
         assert quantized["inter"] == plain["inter"] - exact + travelled
-        scales = 4 * sum(-(-shard // QUANT_BLOCK) for shard in quantized["shards"])
+        scales = 4 * sum(-(-shard // GRADIENT_BLOCK) for shard in quantized["shards"])
         assert travelled - scales == exact // 4
         print(f"stage {stage} hybrid: gradient bytes across nodes {travelled} vs {exact} ({travelled / exact:.3f})")
 

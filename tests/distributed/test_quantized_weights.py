@@ -16,13 +16,14 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero.core.comm import Communicator
-from lightning_zero.core.comm.quantize import dequantize_blocks, quantize_blocks, quantized_nbytes
+from lightning_zero.core.comm.quantize import dequantize_blocks, quantize_blocks
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.mixed_precision import PrecisionPolicy
 from lightning_zero.core.options import EngineOptions
 from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
 from tests.distributed.models import VOCAB, batch
 from tests.helpers import run_on_ranks
+from tests.quantized_bytes import quantized_part_bytes
 
 STEPS = 4
 LOSS_TOLERANCE = 1e-2  # relative, per step: int8 with 256-element blocks moves each weight by <= absmax/254
@@ -107,7 +108,8 @@ def _gather_formula(engine: ZeroEngine, element_size: int | None, accumulate: in
     for unit in engine.model.units:
         for buffer in unit.buffers:
             world = buffer.layout.padded_numel // buffer.shard_numel
-            part = quantized_nbytes(buffer.shard_numel) if element_size is None else buffer.shard_numel * element_size
+            tensors = [(slot.numel, len(slot.shape)) for slot in buffer.layout.slots]
+            part = quantized_part_bytes(tensors, world) if element_size is None else buffer.shard_numel * element_size
             total += (1 if unit.is_root else 2) * accumulate * world * part
     return total
 
@@ -170,11 +172,16 @@ def _exactness(rank: int, comm: Communicator, out: dict[str, Any]) -> None:
         exact = unit_b.buffers[0].data.clone()
         out["own_slice_exact"] = all(torch.equal(b.data[b.bounds[0] : b.bounds[1]], b.shard) for b in buffers)
         gathered = {name: p.detach().clone() for name, p in model.named_parameters()}
-    expected = torch.empty_like(exact)
-    for part, target in zip(exact.chunk(2), expected.chunk(2), strict=True):
-        dequantize_blocks(*quantize_blocks(part), target)
+    expected, buffer_b = torch.empty_like(exact), unit_b.buffers[0]
+    for rank_of_part, (part, target) in enumerate(zip(exact.chunk(2), expected.chunk(2), strict=True)):
+        plan = buffer_b.block_plan(rank_of_part)
+        dequantize_blocks(*quantize_blocks(part, plan=plan), target, plan=plan)
     out["forward_dequantized"] = torch.equal(seen["b"], expected)
     out["forward_not_exact"] = not torch.equal(seen["b"], exact)
+    # The bias (1-D) travels exact, the weight does not (see [Note: blocks never span two tensors]).
+    weight, bias = buffer_b.layout.slots
+    out["forward_bias_exact"] = torch.equal(seen["b"][bias.offset :][: bias.numel], exact[bias.offset :][: bias.numel])
+    out["forward_weight_exact"] = torch.equal(seen["b"][: weight.numel], exact[: weight.numel])
     full = engine.full_state_dict(keep=True)
     out["state_dict_exact"] = all(torch.equal(full[name], gathered[name]) for name in gathered)
     # A write-back after a quantized gather is refused; gathered(write_back=True) gathers such a unit again, exactly.
@@ -266,7 +273,10 @@ def test_gather_bytes_equal_the_formula(two_ranks: list[dict[str, Any]], case: s
         assert result["plain_bytes"] == result["plain_formula"]
         assert result["bytes"] == result["formula"]
         print(f"{case}: gathers {result['bytes']} bytes quantized, {result['plain_bytes']} exact")
-        assert result["bytes"] < result["plain_bytes"] * (0.3 if CASES[case][0] == "32-true" else 0.55)
+        # A byte and a 256th of a scale per matrix element; 5 bytes per element of a 1-D tensor (exact), which are
+        # a few percent of this small model's: 0.28x the fp32 bytes, 0.57x the bf16 bytes (0.26x and 0.51x in a model
+        # whose 1-D tensors are negligible).
+        assert result["bytes"] < result["plain_bytes"] * (0.3 if CASES[case][0] == "32-true" else 0.6)
 
 
 def test_shards_stay_exact_while_forward_uses_dequantized_values(two_ranks: list[dict[str, Any]]) -> None:
@@ -274,6 +284,8 @@ def test_shards_stay_exact_while_forward_uses_dequantized_values(two_ranks: list
         assert out["update_exact"] == [True, True, True]  # SGD on the exact shard, with the quantized forward's grad
         assert max(out["on_grid"]) < 0.05, out["on_grid"]  # the shards never became dequantized values
         assert out["forward_dequantized"]
+        assert out["forward_bias_exact"]
+        assert not out["forward_weight_exact"]
         assert out["forward_not_exact"]
         assert out["own_slice_exact"]  # gathered() is exact
         assert out["state_dict_exact"]
@@ -314,7 +326,7 @@ def test_bytes_across_nodes_follow_the_gather_group() -> None:
             plain, quantized = out[shard_size, False], out[shard_size, True]
             assert max(abs(q - p) / p for p, q in zip(plain[0], quantized[0], strict=True)) < LOSS_TOLERANCE
             saved = plain[1] - quantized[1]
-            assert saved > 0.7 * plain[1]
+            assert saved > 0.65 * plain[1]  # 0.69 here: this small model's biases travel exact
             # Flat: a gather's count sends 2/4 across nodes and 1/4 inside; hybrid: gathers stay inside the node.
             across, inside = (saved * 2 // 4, saved // 4) if shard_size is None else (0, saved // 2)
             assert plain[3] - quantized[3] == across

@@ -46,7 +46,8 @@ STEPS, ACCUMULATE, CLIP = 4, 2, 0.05
 # Linear(7, 2048) + Linear(2048, 3): 22531 elements (odd, so the shards end in padding), enough that the steps'
 # traffic, not the fits' setup, dominates the link's counters.
 MODEL = {"hidden": 2048, "optimizer": "sgd", "lr": 0.1}
-UNIT_SIZES = (7 * 2048 + 2048, 2048 * 3 + 3)  # the stage-3 units of wrap_policy={nn.Linear}: each Linear's buffer
+# The stage-3 units of wrap_policy={nn.Linear}: each Linear's buffer, as (numel, dims) of its weight and bias.
+UNIT_TENSORS = (((7 * 2048, 2), (2048, 1)), ((2048 * 3, 2), (3, 1)))
 SAMPLES = NODES * DEVICES * BATCH_SIZE * ACCUMULATE * STEPS  # one epoch
 
 

@@ -7,6 +7,7 @@ import torch
 
 from lightning_zero.core.comm.quantize import (
     QUANT_BLOCK,
+    BlockPlan,
     check_finite_scales,
     dequantize_blocks,
     quantize_blocks,
@@ -125,3 +126,69 @@ def test_refuses_non_float_or_non_flat_input() -> None:
         quantize_blocks(torch.zeros(4, 4))
     with pytest.raises(ValueError, match="1-D floating-point"):
         quantize_blocks(torch.zeros(4, dtype=torch.int64))
+
+
+# A part holding the end of a matrix (300), a LayerNorm's weight (100, about 1) and bias (100, about 0.01), and the
+# start of another matrix (700): see [Note: blocks never span two tensors].
+PART_STARTS = (300, 400, 500)
+PART_EXACT = (300, 400)
+
+
+def _part(dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    pieces = [
+        torch.randn(300, generator=gen) * 0.02,
+        1 + torch.randn(100, generator=gen) * 0.01,
+        torch.randn(100, generator=gen) * 0.01,
+        torch.randn(700, generator=gen) * 0.5,
+    ]
+    return torch.cat(pieces).to(dtype)
+
+
+def test_block_plan_restarts_at_tensors_and_counts_exact_elements() -> None:
+    plan = BlockPlan.build(1200, PART_STARTS, PART_EXACT, block=256)
+    runs = [(s.begin, s.end, s.first, s.exact) for s in plan.segments]
+    # 300 -> 2 blocks; 100 exact -> 100 scales; 100 exact -> 100 scales; 700 -> 3 blocks.
+    assert runs == [(0, 300, 0, False), (300, 400, 2, True), (400, 500, 102, True), (500, 1200, 202, False)]
+    assert plan.scale_count == 205
+    assert plan.rows == 5
+    assert quantized_nbytes(1200, plan=plan) == 1200 + 4 * 205
+    assert BlockPlan.build(1200, (0, 1200, 5000)).uniform  # offsets at the ends or outside cut nothing
+    assert BlockPlan.build(0, (), (0,)).scale_count == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_plan_keeps_exact_runs_exact_and_bounds_each_run_by_its_own_scale(dtype: torch.dtype) -> None:
+    x = _part(dtype)
+    plan = BlockPlan.build(x.numel(), PART_STARTS, PART_EXACT)
+    values, scales = quantize_blocks(x, plan=plan)
+    assert values.shape == (1200,)
+    assert scales.shape == (plan.scale_count,)
+    out = dequantize_blocks(values, scales, torch.empty(1200, dtype=dtype), plan=plan)
+    assert torch.equal(out[300:500], x[300:500])  # the LayerNorm travels exact
+    exact = x.float()
+    for begin, end in ((0, 300), (500, 1200)):  # each run's error is bounded by its own blocks' absmax
+        for lo in range(begin, end, QUANT_BLOCK):
+            hi = min(lo + QUANT_BLOCK, end)
+            bound = exact[lo:hi].abs().max() / 127 * (0.5 + 1e-5) + _rounding(dtype, exact[lo:hi])
+            assert float((out[lo:hi].float() - exact[lo:hi]).abs().max()) <= float(bound)
+    # Without the plan, the block holding the LayerNorm's weight rounds its bias to steps of about 1/127.
+    spanned = dequantize_blocks(*quantize_blocks(x), torch.empty(1200))[400:500]
+    assert float((spanned - exact[400:500]).abs().max()) > 1e-3
+
+
+def _rounding(dtype: torch.dtype, x: torch.Tensor) -> float:
+    """Half a unit in the last place of ``dtype`` at ``x``'s magnitude: dequantized values are rounded into it."""
+    return float(x.abs().max()) * torch.finfo(dtype).eps
+
+
+def test_block_plan_stochastic_rounding_keeps_exact_runs_and_flags_non_finite_exact_values() -> None:
+    x = _part(torch.float32)
+    plan = BlockPlan.build(x.numel(), PART_STARTS, PART_EXACT)
+    values, scales = quantize_blocks(x, generator=torch.Generator().manual_seed(1), plan=plan)
+    out = dequantize_blocks(values, scales, torch.empty(1200), plan=plan)
+    assert torch.equal(out[300:500], x[300:500])
+    x[450] = float("nan")  # inside the exact bias
+    _values, scales = quantize_blocks(x, plan=plan)
+    with pytest.raises(ValueError, match="inf/NaN"):
+        check_finite_scales(scales, "unit 'blocks.0' buffer 0")

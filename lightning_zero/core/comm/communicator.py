@@ -17,18 +17,6 @@ reduce to each such rank, of its part of the full buffer, in place (gloo may use
 scratch, so the input is spent) and then copied into the output. Each rank sends and receives what the even
 collectives move, without padding; they are counted as the all-gather or reduce-scatter they replace.
 
-[Note: quantized all-gather]
-With ``quantize_weights`` (ZeRO++'s qwZ) the stage-3 parameter gathers of forward and backward send each rank's
-shard as int8 values plus one fp32 scale per block (see [Note: block-wise int8] in quantize.py): two even
-all-gathers, of the values and of the scales, started together; the work returned dequantizes every part into the
-output when waited for, this rank's own part too, so every rank holds the same full values. Rounding is to
-nearest, so what a rank sends depends on its shard alone, and a unit gathered again (backward, activation
-checkpointing's recomputation) holds exactly the values its forward used. The scales are checked for inf/NaN after
-the exchange, where every rank holds the same ones, so all ranks raise together (on CUDA that check synchronises
-the host with the gather, once per gathered buffer). It is counted under ``"all_gather"`` as the bytes that travel
-(see [Note: counting communication]): the full int8 buffer plus the scales, ``quantized_nbytes`` per part instead
-of the shard's bytes.
-
 [Note: groups alive at exit]
 A gloo group runs each collective on a thread of its own, which drops its reference to the work a moment after the
 work completed (``wait()`` may have returned already). When that reference is the last one, the thread frees the
@@ -62,7 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zero.core.comm.lost_rank import FailureNotices, guarded, notices_prefix
-from lightning_zero.core.comm.quantize import check_finite_scales, dequantize_blocks, quantize_blocks
+from lightning_zero.core.comm.quantize import BlockPlan, check_finite_scales, dequantize_blocks, quantize_blocks
 from lightning_zero.core.comm.stats import CommStats
 
 # torch 2.10+ renamed the single-tensor collectives; older releases only have the old names.
@@ -211,16 +199,21 @@ class Communicator:
         work = self._guarded(what, dist.all_to_all_single, output, input, group=self.group, async_op=True)
         return _finish(work, async_op)
 
-    def all_gather_quantized(self, output: Tensor, input: Tensor, what: str, async_op: bool = False) -> Work | None:
-        """As :meth:`all_gather` (even parts only), but each rank's ``input`` travels as int8 values and block scales
-        (see [Note: quantized all-gather]); ``output`` receives every part dequantized, this rank's too. ``what``
-        names the tensor in the error raised (on every rank alike) when a part holds inf/NaN."""
+    def all_gather_quantized(
+        self, output: Tensor, input: Tensor, what: str, async_op: bool = False, plans: Sequence[BlockPlan] = ()
+    ) -> Work | None:
+        """As :meth:`all_gather` (even parts only), each rank's ``input`` sent as int8 (see [Note: quantized
+        all-gather] in quantize.py), every part dequantized into ``output``; ``plans[r]`` cuts rank ``r``'s part into
+        blocks. ``what`` names the tensor in the error raised on every rank when a part holds inf/NaN."""
         if output.numel() != input.numel() * self.world_size:
             raise ValueError(
                 f"a quantized all-gather takes even parts: {input.numel()} x {self.world_size} ranks "
                 f"!= {output.numel()} elements"
             )
-        values, scales = quantize_blocks(input.to(output.device))
+        plans = plans or [BlockPlan.build(input.numel())] * self.world_size
+        values, own_scales = quantize_blocks(input.to(output.device), plan=plans[self.rank])
+        scales = own_scales.new_zeros(max(plan.scale_count for plan in plans))
+        scales[: own_scales.numel()] = own_scales
         staged = self._nccl_device if self._on_host(output) else None  # see [Note: host tensors on NCCL]
         if staged is not None:
             values, scales = values.to(staged), scales.to(staged)
@@ -235,9 +228,10 @@ class Communicator:
 
         def dequantize() -> None:
             check_finite_scales(all_scales, what)
-            parts = zip(all_values.chunk(self.world_size), all_scales.chunk(self.world_size), strict=True)
-            for part, (part_values, part_scales) in zip(output.chunk(self.world_size), parts, strict=True):
-                dequantize_blocks(part_values.to(part.device), part_scales.to(part.device), part)
+            chunks = (t.chunk(self.world_size) for t in (output, all_values, all_scales))
+            for rank, (part, part_values, part_scales) in enumerate(zip(*chunks, strict=True)):
+                part_scales = part_scales[: plans[rank].scale_count].to(part.device)
+                dequantize_blocks(part_values.to(part.device), part_scales, part, plan=plans[rank])
 
         return _finish(UnevenWork(works, dequantize), async_op)
 

@@ -1,7 +1,7 @@
 """``quantize_gradients``: a bucket's reduction exact inside each node, quantized across nodes (ZeRO++'s qgZ).
 
 [Note: quantized gradient reduction]
-Across nodes the link is the slow one, so only what crosses it is quantized, once (see [Note: block quantization]
+Across nodes the link is the slow one, so only what crosses it is quantized, once (see [Note: block-wise int8]
 in core/comm/quantize.py). A bucket, divided by the world size as always, is first reduce-scattered inside the node
 in the gradient's reduce dtype (exact, as without the option); each rank then holds a *node partial*: its node's sum
 of some slices. Those partials cross nodes as int8 values with fp32 block scales, rounded stochastically (an
@@ -12,14 +12,21 @@ sums it in fp32, in node order, into its shard of the global sum.
   bucket's slices are permuted before the node's reduce-scatter so that local rank ``l`` receives the node partials
   of slices ``{n L + l}`` for every node ``n``; an all-to-all over the *cross group* (the ranks of local index ``l``
   on every node) sends each partial to the rank that owns its slice. The rank's own node's partial does not travel
-  and stays exact. For a bucket of N shards of S elements a rank sends ``(M - 1) * quantized_nbytes(S)`` bytes
+  and stays exact. For a bucket of N shards of S elements a rank sends ``(M - 1) * quantized_nbytes(S, 64)`` bytes
   across nodes (op ``"quantized_all_to_all"``), where the plain reduce-scatter sends ``(N - L) * S * itemsize``
   (``(M - 1) L S itemsize``: L times more elements, each ``itemsize`` bytes instead of about one).
 - Hybrid (``shard_size``): the reduce-scatter runs in the shard group as without the option; the replicate
   all-reduce becomes an all-gather of the quantized shards over the replicate group (op ``"quantized_all_gather"``,
-  ``(R - 1) * quantized_nbytes(shard)`` bytes sent for R replicas, against the all-reduce's ``2 (R - 1) / R`` shards)
+  ``(R - 1) * quantized_nbytes(S, 64)`` bytes sent for R replicas, against the all-reduce's ``2 (R - 1) / R`` shards)
   and a local fp32 sum in replica order. Every replica dequantizes the same bytes, its own shard's included, so the
   replicas stay identical.
+
+Gradients travel in blocks of ``GRADIENT_BLOCK`` = 64 elements (1.0625 bytes an element): the noise of stochastic
+rounding is a block's absmax / 127 per element, and Adam magnifies it in near-zero gradients. The example GPT (0.95M
+parameters, 500 steps, fp32 AdamW, mean loss of the last 100 against exact stage 3, one process standing in for the
+reduction) ended +2.4% with blocks of 256, +2.3% with blocks restarting at each tensor or with 1-D tensors exact,
++0.97% with round-to-nearest and error feedback (a residual of the partials kept per rank), and +0.46% with blocks
+of 64, which costs no memory.
 
 On one node nothing crosses nodes and the option changes nothing (``Topology`` makes no node groups). The noise of
 the stochastic rounding comes from a generator seeded by (the count of quantized reductions this rank ran, its
@@ -35,8 +42,11 @@ import torch
 from torch import Tensor
 
 from lightning_zero.core.comm import Communicator, Work
-from lightning_zero.core.comm.quantize import QUANT_BLOCK, dequantize_blocks, quantize_blocks
+from lightning_zero.core.comm.quantize import dequantize_blocks, quantize_blocks
 from lightning_zero.core.comm.topology import Topology
+
+# Elements per scale of a gradient's blocks: a quarter of the weights' (see [Note: quantized gradient reduction]).
+GRADIENT_BLOCK = 64
 
 
 class NodeReduced:
@@ -131,12 +141,12 @@ class QuantizedReduction:
 def _pack(rows: Tensor, generator: torch.Generator) -> Tensor:
     """Each row of ``rows`` (m x n) quantized by itself, as the bytes of its int8 values then its fp32 scales."""
     m, n = rows.shape
-    blocks = -(-n // QUANT_BLOCK)
-    if n != blocks * QUANT_BLOCK:  # rows are quantized apart: pad each to whole blocks
-        padded = torch.zeros(m, blocks * QUANT_BLOCK, dtype=torch.float32, device=rows.device)
+    blocks = -(-n // GRADIENT_BLOCK)
+    if n != blocks * GRADIENT_BLOCK:  # rows are quantized apart: pad each to whole blocks
+        padded = torch.zeros(m, blocks * GRADIENT_BLOCK, dtype=torch.float32, device=rows.device)
         padded[:, :n] = rows
         rows = padded
-    values, scales = quantize_blocks(rows.reshape(-1), generator=generator)
+    values, scales = quantize_blocks(rows.reshape(-1), GRADIENT_BLOCK, generator=generator)
     packed = torch.empty(m, n + 4 * blocks, dtype=torch.uint8, device=rows.device)
     packed[:, :n] = values.view(m, -1)[:, :n].view(torch.uint8)
     packed[:, n:] = scales.view(m, blocks).view(torch.uint8)
@@ -155,5 +165,5 @@ def _sum_rows(packed: Tensor, output: Tensor, exact: tuple[int, Tensor] | None) 
         if exact is not None and index == exact[0]:
             total.add_(exact[1])
         else:
-            total.add_(dequantize_blocks(values[index], scales[index], row))
+            total.add_(dequantize_blocks(values[index], scales[index], row, GRADIENT_BLOCK))
     output.copy_(total)
