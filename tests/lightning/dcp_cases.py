@@ -70,18 +70,15 @@ def _zero_to_dcp(rank: int, world_size: int, root: Path) -> dict[str, Any]:
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=converted)
     set_state_dict(fsdp_model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    loaded, loaded_optim = get_state_dict(fsdp_model, optimizer, options=FULL)
-    names = [name for name, _ in TwoLayer().named_parameters()]
-    saved_optim = expected["optimizer_states"][0]
-    out: dict[str, Any] = {
-        "uninterrupted": uninterrupted["state"],
-        "expected": expected["state_dict"],
-        "fsdp": loaded,
-        "fsdp_optim": {n: dict(loaded_optim["state"][n]) for n in names},
-        "expected_optim": {n: saved_optim["state"][i] for i, n in enumerate(names)},
-        "fsdp_lr": [g["lr"] for g in loaded_optim["param_groups"]],
-    }
-    if rank == 0:  # a plain model, one process, no process group used
+    loaded, loaded_optim = get_state_dict(fsdp_model, optimizer, options=FULL)  # collective; rank 0 gets the values
+    out: dict[str, Any] = {"uninterrupted": uninterrupted["state"], "expected": expected["state_dict"]}
+    if rank == 0:  # the full state dicts (cpu_offload) are rank 0's only; then a plain model, no process group used
+        names = [name for name, _ in TwoLayer().named_parameters()]
+        saved_optim = expected["optimizer_states"][0]
+        out["fsdp"] = loaded
+        out["fsdp_optim"] = {n: dict(loaded_optim["state"][n]) for n in names}
+        out["expected_optim"] = {n: saved_optim["state"][i] for i, n in enumerate(names)}
+        out["fsdp_lr"] = [g["lr"] for g in loaded_optim["param_groups"]]
         plain = TwoLayer()
         with torch.no_grad():
             for p in plain.parameters():

@@ -38,6 +38,13 @@ def _close(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
+def test_every_case_finished_on_every_rank(ranks: Any) -> None:
+    """A case that raised on a rank whose results no other test reads is still a failure."""
+    for rank, results in enumerate(ranks[0]):
+        for name in results:
+            _case(ranks, name, rank)
+
+
 def test_zero_stage3_to_fsdp2_and_plain_model(ranks: Any) -> None:
     """The converted directory loads with get_state_dict / dcp.load / set_state_dict into FSDP2 on 2 ranks (model and
     AdamW state) and with dcp.load into a plain model: equal to the sharded checkpoint's tensors."""
