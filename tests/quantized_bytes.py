@@ -8,15 +8,18 @@ from collections.abc import Sequence
 from lightning_zero.core.comm.quantize import QUANT_BLOCK
 
 
-def quantized_part_bytes(tensors: Sequence[tuple[int, int]], world: int) -> int:
-    """Bytes of one rank's part of a quantized gather of a buffer holding ``tensors`` (``(numel, dims)`` each, in
-    order) padded to a multiple of ``world``: a byte per element, and 4 per scale of the rank with the most (blocks
-    of ``QUANT_BLOCK`` restarting at each tensor and at the padding; a scale per element of a 1-D tensor)."""
+def quantized_part_bytes(
+    tensors: Sequence[tuple[int, int]], world: int, block: int = QUANT_BLOCK, exact_vectors: bool = True
+) -> int:
+    """Bytes of one rank's part of a quantized gather (or one slice of a quantized gradient reduction) of a buffer
+    holding ``tensors`` (``(numel, dims)`` each, in order) padded to a multiple of ``world``: a byte per element, and
+    4 per scale of the rank with the most (blocks of ``block`` restarting at each tensor and at the padding; with
+    ``exact_vectors`` a scale per element of a 1-D tensor)."""
     numel = sum(n for n, _ in tensors)
     shard = -(-numel // world)
     runs, offset = [], 0
     for n, dims in tensors:
-        runs.append((offset, offset + n, dims <= 1))
+        runs.append((offset, offset + n, exact_vectors and dims <= 1))
         offset += n
     runs.append((numel, shard * world, False))
     counts = []
@@ -26,6 +29,6 @@ def quantized_part_bytes(tensors: Sequence[tuple[int, int]], world: int) -> int:
         for begin, end, exact in runs:
             inside = min(end, hi) - max(begin, lo)
             if inside > 0:
-                count += inside if exact else -(-inside // QUANT_BLOCK)
+                count += inside if exact else -(-inside // block)
         counts.append(count)
     return shard + 4 * max(counts)

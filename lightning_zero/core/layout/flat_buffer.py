@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero.core.comm import Communicator, Work
-from lightning_zero.core.comm.quantize import BlockPlan
+from lightning_zero.core.comm.quantize import QUANT_BLOCK, BlockPlan
 from lightning_zero.core.layout.host_memory import host_empty
 from lightning_zero.core.layout.pieces import FlatLayout, Layout, OwnerLayout, Piece
 from lightning_zero.core.layout.resting import engine_access
@@ -128,6 +128,14 @@ class FlatParamBuffer:
     def shard_numel(self) -> int:
         """Elements of this rank's shard (with whole-tensor owners, they differ between ranks)."""
         return self.layout.shard_size(self.rank)
+
+    def block_plan(self, rank: int, block: int = QUANT_BLOCK, exact_vectors: bool = True) -> BlockPlan:
+        """How ``rank``'s shard (of the parameters, or of their gradients) travels quantized: blocks of ``block``
+        restart where a tensor begins, and with ``exact_vectors`` tensors of at most one dimension (biases, norms'
+        weights) travel exact (see [Note: blocks never span two tensors])."""
+        pieces, padding = self.layout.pieces(rank), self.layout.numel - rank * self.shard_numel  # zeros from there
+        exact = [p.shard_offset for p in pieces if exact_vectors and len(self.layout.slots[p.slot].shape) <= 1]
+        return BlockPlan.build(self.shard_numel, [*(p.shard_offset for p in pieces), padding], exact, block)
 
     def owned_elsewhere(self, slot: int) -> bool:
         """Another rank owns parameter ``slot`` whole (see [Note: owner layout]): this rank steps none of it."""
@@ -370,13 +378,6 @@ class ShardedBuffer(FlatParamBuffer):
             plans = [self.block_plan(rank) for rank in range(comm.world_size)]
             return comm.all_gather_quantized(target, part, what, async_op=True, plans=plans)
         return comm.all_gather(target, part, async_op=True, sizes=sizes)
-
-    def block_plan(self, rank: int) -> BlockPlan:
-        """How ``rank``'s shard travels in a quantized gather: blocks restart where a tensor begins, and tensors of
-        at most one dimension (biases, norms' weights) travel exact (see [Note: blocks never span two tensors])."""
-        pieces, padding = self.layout.pieces(rank), self.layout.numel - rank * self.shard_numel  # zeros from there
-        exact = [p.shard_offset for p in pieces if len(self.layout.slots[p.slot].shape) <= 1]
-        return BlockPlan.build(self.shard_numel, [*(p.shard_offset for p in pieces), padding], exact)
 
     def commit_shard(self) -> None:
         """Keep this rank's part of the full buffer as the shard and free the rest (setup)."""

@@ -21,12 +21,11 @@ sums it in fp32, in node order, into its shard of the global sum.
   and a local fp32 sum in replica order. Every replica dequantizes the same bytes, its own shard's included, so the
   replicas stay identical.
 
-Gradients travel in blocks of ``GRADIENT_BLOCK`` = 64 elements (1.0625 bytes an element): the noise of stochastic
-rounding is a block's absmax / 127 per element, and Adam magnifies it in near-zero gradients. The example GPT (0.95M
-parameters, 500 steps, fp32 AdamW, mean loss of the last 100 against exact stage 3, one process standing in for the
-reduction) ended +2.4% with blocks of 256, +2.3% with blocks restarting at each tensor or with 1-D tensors exact,
-+0.97% with round-to-nearest and error feedback (a residual of the partials kept per rank), and +0.46% with blocks
-of 64, which costs no memory.
+Gradients travel in blocks of ``GRADIENT_BLOCK`` = 64 elements (1.0625 bytes an element), restarting at each tensor
+of the bucket (each slice's ``BlockPlan``, made once per bucket; rows travel with their scales padded to the slice
+with the most): the noise of stochastic rounding is a block's absmax / 127 per element, so a block spanning a
+matrix's large gradients and a LayerNorm weight's small ones buried the latter (one step of the example GPT: its
+``ln_2.weight`` gradients 14% off, every other tensor 0.4-0.9%; 0.5% with the plans).
 
 On one node nothing crosses nodes and the option changes nothing (``Topology`` makes no node groups). The noise of
 the stochastic rounding comes from a generator seeded by (the count of quantized reductions this rank ran, its
@@ -36,13 +35,13 @@ non-finite scale and a non-finite dequantized sum, so an fp16 overflow still ski
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_zero.core.comm import Communicator, Work
-from lightning_zero.core.comm.quantize import dequantize_blocks, quantize_blocks
+from lightning_zero.core.comm.quantize import BlockPlan, dequantize_blocks, quantize_blocks
 from lightning_zero.core.comm.topology import Topology
 
 # Elements per scale of a gradient's blocks: a quarter of the weights' (see [Note: quantized gradient reduction]).
@@ -113,22 +112,30 @@ class QuantizedReduction:
         partial = torch.empty(nodes * shard, dtype=input.dtype, device=input.device)
         return NodeReduced(self.node.reduce_scatter(partial, permuted, async_op=True), partial)  # type: ignore[arg-type]
 
-    def across(self, output: Tensor, reduced: Work | NodeReduced) -> Work:
+    def across(self, output: Tensor, reduced: Work | NodeReduced, plans: Sequence[BlockPlan] = ()) -> Work:
         """Start the quantized hop across nodes (after ``reduced`` completed); its wait writes this rank's shard of
-        the global sum into ``output``."""
+        the global sum into ``output``. ``plans[k]``: how slice ``k`` of the bucket is cut into blocks (restarting at
+        its tensors; default: blocks from each slice's start)."""
         generator = self._next_generator(output.device)
+        n = output.numel()
+        plans = plans or [BlockPlan.build(n, block=GRADIENT_BLOCK)] * (self.node.world_size * self.cross.world_size)
+        scales = max(plan.scale_count for plan in plans)  # rows travel padded to the slice with the most
         if isinstance(reduced, NodeReduced):
-            rows = reduced.partial.view(self.cross.world_size, output.numel())
-            packed = _pack(rows, generator)
+            rows = reduced.partial.view(self.cross.world_size, n)
+            local = self.node.rank  # row r holds slice r * L + local (see the permutation in start)
+            row_plans = [plans[r * self.node.world_size + local] for r in range(self.cross.world_size)]
+            packed = _pack(rows, generator, row_plans, scales)
             received = torch.empty_like(packed)
             work = self.cross.all_to_all(received.view(-1), packed.view(-1), "quantized_all_to_all", async_op=True)
             own = self.cross.rank  # this node's partial never travels: it stays exact
-            return Then(work, lambda: _sum_rows(received, output, (own, rows[own])))  # type: ignore[arg-type]
-        packed = _pack(output.view(1, -1), generator)
+            mine = row_plans[own]  # every row received is a partial of this rank's slice
+            return Then(work, lambda: _sum_rows(received, output, mine, (own, rows[own])))  # type: ignore[arg-type]
+        mine = plans[self.node.rank]  # every replica sends the same slice of the bucket
+        packed = _pack(output.view(1, -1), generator, [mine], scales)
         gathered = torch.empty(self.cross.world_size * packed.numel(), dtype=torch.uint8, device=output.device)
         work = self.cross.all_gather(gathered, packed.view(-1), async_op=True, label="quantized_all_gather")
         rows_in = gathered.view(self.cross.world_size, -1)
-        return Then(work, lambda: _sum_rows(rows_in, output, None))  # type: ignore[arg-type]
+        return Then(work, lambda: _sum_rows(rows_in, output, mine, None))  # type: ignore[arg-type]
 
     def _next_generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None:
@@ -138,32 +145,29 @@ class QuantizedReduction:
         return self._generator
 
 
-def _pack(rows: Tensor, generator: torch.Generator) -> Tensor:
-    """Each row of ``rows`` (m x n) quantized by itself, as the bytes of its int8 values then its fp32 scales."""
+def _pack(rows: Tensor, generator: torch.Generator, plans: Sequence[BlockPlan], scales: int) -> Tensor:
+    """Each row of ``rows`` (m x n) quantized by itself with its plan, as the bytes of its int8 values then its fp32
+    scales, padded to ``scales``."""
     m, n = rows.shape
-    blocks = -(-n // GRADIENT_BLOCK)
-    if n != blocks * GRADIENT_BLOCK:  # rows are quantized apart: pad each to whole blocks
-        padded = torch.zeros(m, blocks * GRADIENT_BLOCK, dtype=torch.float32, device=rows.device)
-        padded[:, :n] = rows
-        rows = padded
-    values, scales = quantize_blocks(rows.reshape(-1), GRADIENT_BLOCK, generator=generator)
-    packed = torch.empty(m, n + 4 * blocks, dtype=torch.uint8, device=rows.device)
-    packed[:, :n] = values.view(m, -1)[:, :n].view(torch.uint8)
-    packed[:, n:] = scales.view(m, blocks).view(torch.uint8)
+    packed = torch.zeros(m, n + 4 * scales, dtype=torch.uint8, device=rows.device)
+    for index, plan in enumerate(plans):
+        values, row_scales = quantize_blocks(rows[index], generator=generator, plan=plan)
+        packed[index, :n] = values.view(torch.uint8)
+        packed[index, n : n + 4 * plan.scale_count] = row_scales.view(torch.uint8)
     return packed
 
 
-def _sum_rows(packed: Tensor, output: Tensor, exact: tuple[int, Tensor] | None) -> None:
-    """The fp32 sum, in row order, of the rows that ``packed`` (from :func:`_pack`) stands for, into ``output``; with
-    ``exact = (i, values)`` row ``i`` is ``values`` itself."""
+def _sum_rows(packed: Tensor, output: Tensor, plan: BlockPlan, exact: tuple[int, Tensor] | None) -> None:
+    """The fp32 sum, in row order, of the rows that ``packed`` (from :func:`_pack`, every row cut by ``plan``)
+    stands for, into ``output``; with ``exact = (i, values)`` row ``i`` is ``values`` itself."""
     n = output.numel()
     values = packed[:, :n].view(torch.int8)
-    scales = packed[:, n:].contiguous().view(torch.float32)
+    scales = packed[:, n : n + 4 * plan.scale_count].contiguous().view(torch.float32)
     total = torch.zeros(n, dtype=torch.float32, device=output.device)
     row = torch.empty(n, dtype=torch.float32, device=output.device)
     for index in range(packed.shape[0]):
         if exact is not None and index == exact[0]:
             total.add_(exact[1])
         else:
-            total.add_(dequantize_blocks(values[index], scales[index], row, GRADIENT_BLOCK))
+            total.add_(dequantize_blocks(values[index], scales[index], row, plan=plan))
     output.copy_(total)

@@ -11,11 +11,13 @@ hops (see [Note: quantized gradient reduction]) and keeps that timing.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from lightning_zero.core.comm import Communicator, Work
+from lightning_zero.core.comm.quantize import BlockPlan
 from lightning_zero.core.step.quantized_reduction import NodeReduced, QuantizedReduction
 
 
@@ -45,11 +47,14 @@ class GradientReduction:
             return self.quantized.start(output, input)
         return self.shard.reduce_scatter(output, input, async_op=True, sizes=sizes)  # type: ignore[return-value]
 
-    def start_across_replicas(self, shard: Tensor, reduced: Work | NodeReduced) -> Work | None:
+    def start_across_replicas(
+        self, shard: Tensor, reduced: Work | NodeReduced, plans: Callable[[], Sequence[BlockPlan]] = tuple
+    ) -> Work | None:
         """Once the first hop (``reduced``) completed: start summing the reduced ``shard`` (in place) across the
-        replicas, or the quantized hop across nodes; ``None`` when there is nothing more to do."""
+        replicas, or the quantized hop across nodes (``plans()``: the bucket's slices' block plans); ``None`` when
+        there is nothing more to do."""
         if self.quantized is not None:
-            return self.quantized.across(shard, reduced)
+            return self.quantized.across(shard, reduced, plans())
         if self.replicate is None:
             return None
         return self.replicate.all_reduce(shard, async_op=True)
