@@ -27,7 +27,7 @@ from lightning_zero.core.named_state import PARAM_NAMES_KEY
 from lightning_zero.precision import unwrap_optimizer
 from tests.distributed.models import TinyLM, batch, loss_fn
 from tests.helpers import run_on_ranks
-from tests.lightning.models import SaveAt, TwoLayer, make_loader, make_trainer, state_of
+from tests.lightning.models import SaveAt, TwoLayer, assert_every_case_finished, make_loader, make_trainer, state_of
 
 STAGES = (1, 2, 3)
 GLOBAL_BATCH = 6  # split evenly over 2 and 3 ranks
@@ -297,6 +297,12 @@ def _relative(expected: dict[str, Tensor], actual: dict[str, Tensor]) -> dict[st
         k: ((expected[k].double() - actual[k].double()).abs().max() / expected[k].double().abs().max()).item()
         for k in expected
     }
+
+
+def test_every_part_finished_on_every_rank(runs: dict) -> None:
+    """A part that raised where no other test looks (the uninterrupted runs beyond rank 0) still fails."""
+    spawns = ("first", "three", "second")
+    assert_every_case_finished({(s, key): [r[key] for r in runs[s]] for s in spawns for key in runs[s][0]})
 
 
 @pytest.mark.parametrize("kind", ["sharded", "full"])

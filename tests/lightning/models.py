@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import traceback
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -350,6 +351,23 @@ def result_of(result: dict[str, Any]) -> dict[str, Any]:
     if "error" in result:
         pytest.fail(result["error"], pytrace=False)
     return result
+
+
+def assert_every_case_finished(cases: Mapping[Any, Sequence[Any]]) -> None:
+    """Fail naming every case and rank whose result is ``{"error": traceback}``.
+
+    ``cases``: each case's result on every rank. The other tests of a spawn often read one rank's result of a case,
+    or none (a run that only writes a checkpoint), so a case that raised on another rank alone would pass unseen;
+    leave out the cases whose error is the outcome their tests assert.
+    """
+    failed = [
+        f"case {name!r}, rank {rank}:\n{result['error']}"
+        for name, per_rank in cases.items()
+        for rank, result in enumerate(per_rank)
+        if isinstance(result, dict) and result.get("error") is not None
+    ]
+    if failed:
+        pytest.fail(f"{len(failed)} case result(s) hold an error:\n" + "\n".join(failed), pytrace=False)
 
 
 def max_rel_diff(expected: dict[str, Tensor], actual: dict[str, Tensor]) -> dict[str, float]:

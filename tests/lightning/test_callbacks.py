@@ -48,7 +48,14 @@ from tests.lightning.lifecycle_models import (
     regression_loader,
     tokens_loader,
 )
-from tests.lightning.models import TwoLayer, make_trainer, max_rel_diff, result_of, state_of
+from tests.lightning.models import (
+    TwoLayer,
+    assert_every_case_finished,
+    make_trainer,
+    max_rel_diff,
+    result_of,
+    state_of,
+)
 
 WORLD_SIZE = 2
 RTOL = 1e-5
@@ -212,6 +219,17 @@ def _pairs(runs: dict[str, Any], name: str, stage: int) -> list[tuple[dict[str, 
     ddp = [_trained(r, f"{name}, DDP") for r in runs[(name, "ddp")]]
     zero = [_trained(r, f"{name}, stage {stage}") for r in runs[(name, stage)]]
     return list(zip(ddp, zero, strict=True))
+
+
+def test_every_case_finished_on_every_rank(runs: dict[str, Any]) -> None:
+    """Every case of the first spawn trains on every rank, also those whose other ranks no test reads (the plain and
+    aliased-pruning DDP runs beyond rank 0). The stage-3 spawn's fit errors are its expected outcome."""
+    cases = {key: per_rank for key, per_rank in runs.items() if key not in ("dir", "save_paths")}
+    assert_every_case_finished(cases)
+    for key, per_rank in cases.items():
+        for rank, result in enumerate(per_rank):
+            if "fit_error" in result:
+                pytest.fail(f"case {key}, rank {rank}: fit raised\n{result['traceback']}", pytrace=False)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tests.helpers import run_on_ranks
-from tests.lightning.models import TiedLM, fit_cases, max_rel_diff, result_of
+from tests.lightning.models import TiedLM, assert_every_case_finished, fit_cases, max_rel_diff, result_of
 
 WORLD_SIZE = 2
 SAVE_STEP = 4
@@ -59,6 +59,12 @@ def _assert_close(expected: dict[str, torch.Tensor], actual: dict[str, torch.Ten
     diffs = max_rel_diff(expected, actual)
     bad = {key: diff for key, diff in diffs.items() if not diff <= RTOL}
     assert not bad, f"{what}: relative differences {bad}"
+
+
+def test_every_case_finished_on_every_rank(runs: dict[str, Any]) -> None:
+    """The resumes are compared on rank 0 only: one that raised on rank 1 alone still fails here."""
+    names = [("saved", strategy) for strategy in SAVED] + [("resumed", pair) for pair in RESUMES]
+    assert_every_case_finished({name: [r[i] for r in runs["per_rank"]] for i, name in enumerate(names)})
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -22,7 +22,15 @@ import torch
 
 from lightning_zero.core.store import checks
 from tests.helpers import run_on_ranks
-from tests.lightning.models import TiedLM, fit_cases, make_loader, make_trainer, max_rel_diff, result_of
+from tests.lightning.models import (
+    TiedLM,
+    assert_every_case_finished,
+    fit_cases,
+    make_loader,
+    make_trainer,
+    max_rel_diff,
+    result_of,
+)
 
 RTOL = 1e-5
 SAVE_STEP, STEPS = 6, 9
@@ -108,6 +116,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def _assert_close(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor], what: str) -> None:
     bad = {key: diff for key, diff in max_rel_diff(expected, actual).items() if not diff <= RTOL}
     assert not bad, f"{what}: relative differences {bad}"
+
+
+def test_every_case_finished_on_every_rank(runs: dict[str, Any]) -> None:
+    """Also the cases no other test reads: the 3-rank stage-1 run that writes the checkpoint resumed on 2 ranks."""
+    cases = {("trained", key): per_rank for key, per_rank in runs["trained"].items()}
+    cases.update({("saved", name): per_rank for name, per_rank in runs["saved"].items()})
+    cases.update({(spawn, i): per_rank for spawn in ("on_3", "on_2") for i, per_rank in enumerate(runs[spawn])})
+    assert_every_case_finished(cases)
 
 
 @pytest.mark.parametrize(("stage", "mode"), TRAINED)
