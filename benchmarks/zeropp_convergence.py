@@ -24,7 +24,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from zero_bench.hybrid import ZEROPP_SYSTEMS, build_hybrid_system  # importing zero_bench puts the root on sys.path
+from zero_bench.hybrid import (  # importing zero_bench puts the root on sys.path
+    QG_VARIANTS,
+    ZEROPP_SYSTEMS,
+    build_hybrid_system,
+)
 from zero_bench.measure import batch_stream, model_config
 from zero_bench.systems import lm_loss
 
@@ -103,8 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", default=None, help="PNG of the curves (needs matplotlib)")
     args = parser.parse_args(argv)
     args.systems = [name.strip() for name in args.systems.split(",") if name.strip()]
-    if not args.systems or args.systems[0] != "zero3" or not set(args.systems) <= set(SYSTEMS):
-        parser.error(f"--systems: zero3 first, then any of {SYSTEMS[1:]}; got {args.systems}")
+    known = (*SYSTEMS, *QG_VARIANTS)  # the variants on request (e.g. zero3_qwqg: all three less the secondary shard)
+    if not args.systems or args.systems[0] != "zero3" or not set(args.systems) <= set(known):
+        parser.error(f"--systems: zero3 first, then any of {known[1:]}; got {args.systems}")
     args.shard_size = PER_NODE  # the secondary groups: a node's ranks
     args.device = "cpu"
     result = run_on_ranks(train, NODES * PER_NODE, args, nodes=NODES, timeout_s=7200)[0]

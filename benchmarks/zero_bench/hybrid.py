@@ -29,10 +29,12 @@ ZEROPP_SYSTEMS = {
     "zero3_hp": {"secondary_shard_size": "node"},
     "zero3_pp": {"quantize_weights": True, "quantize_gradients": True, "secondary_shard_size": "node"},
 }
-# quantize_gradients beside zero3_qg, on request: at stage 2, and with shard_size (its replicas' exchange quantized)
+# quantize_gradients beside zero3_qg, on request: at stage 2, with shard_size (its replicas' exchange quantized), and
+# with quantize_weights
 QG_VARIANTS = {
     "zero2_qg": {"quantize_gradients": True},
     "zero3_hybrid_qg": {"shard_size": "node", "quantize_gradients": True},
+    "zero3_qwqg": {"quantize_weights": True, "quantize_gradients": True},  # all three less the (exact) secondary
 }
 HYBRID_SYSTEMS = (
     *("ddp", "fsdp2", "fsdp2_hsdp", "zero2", "zero3", "zero2_hybrid", "zero3_hybrid"),
