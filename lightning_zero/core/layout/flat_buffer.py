@@ -281,6 +281,7 @@ class ShardedBuffer(FlatParamBuffer):
         self._reading: Future[Tensor] | None = None  # a read-ahead of the resting shard (see read_ahead)
         self._written = False
         self.quantized = False  # the full buffer holds dequantized int8 values, not the shards' exact ones
+        self._gather_plans: list[BlockPlan] | None = None  # per rank, for quantized gathers (see block_plan)
         super().__init__(params, rank, world_size, device, owners)
 
     @property  # type: ignore[override]
@@ -375,8 +376,9 @@ class ShardedBuffer(FlatParamBuffer):
         target = torch.empty(0, dtype=self.data.dtype, device=self.data.device).set_(storage, 0, self.data.shape)
         self.quantized = quantized
         if quantized:
-            plans = [self.block_plan(rank) for rank in range(comm.world_size)]
-            return comm.all_gather_quantized(target, part, what, async_op=True, plans=plans)
+            if self._gather_plans is None:  # made once: the layout never changes
+                self._gather_plans = [self.block_plan(rank) for rank in range(comm.world_size)]
+            return comm.all_gather_quantized(target, part, what, async_op=True, plans=self._gather_plans)
         return comm.all_gather(target, part, async_op=True, sizes=sizes)
 
     def commit_shard(self) -> None:
