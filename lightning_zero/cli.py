@@ -199,6 +199,18 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
         help="stage 3 (ZeRO++ hpZ): units keep 1/N of their parameters from forward to backward, N ranks per "
         "group inside a node; the stage-3 row counts them as at the end of forward (default: none)",
     )
+    estimate.add_argument(
+        "--quantize-gradients",
+        action="store_true",
+        help="ZeRO++ qgZ: gradients cross nodes in int8 with error feedback, whose fp32 residuals stages 1-3 count "
+        "(needs --num-nodes above 1)",
+    )
+    estimate.add_argument(
+        "--num-nodes",
+        type=_positive_int,
+        default=1,
+        help="the nodes the --world-size ranks run on, as many on each (default: 1)",
+    )
 
 
 def _estimate(args: argparse.Namespace) -> None:
@@ -206,9 +218,12 @@ def _estimate(args: argparse.Namespace) -> None:
     try:
         group = shard_group_size(args.shard_size, args.world_size)
         check_secondary_shard_size(args.secondary_shard_size, 3, group)
+        if args.world_size % args.num_nodes:
+            raise ValueError(f"num_nodes={args.num_nodes} does not divide world_size={args.world_size}")
     except ValueError as error:  # checked before the model is built: the fix is on the command line
         message = str(error).replace("secondary_shard_size=", "--secondary-shard-size ")
         message = message.replace("shard_size=", "--shard-size ").replace("world_size=", "--world-size ")
+        message = message.replace("num_nodes=", "--num-nodes ")
         raise SystemExit(f"lightning-zero estimate: {message}") from None
     class_path, init_args = _model_spec(args)
     model = _build_on_meta(class_path, init_args)
@@ -219,7 +234,8 @@ def _estimate(args: argparse.Namespace) -> None:
         f"world_size={args.world_size}, precision={args.precision}, optimizer={args.optimizer}, "
         f"offload_optimizer={args.offload_optimizer}, offload_params={args.offload_params}, "
         f"partition={args.partition}, accumulate_grad_batches={args.accumulate_grad_batches}, "
-        f"shard_size={args.shard_size}, secondary_shard_size={args.secondary_shard_size}\n"
+        f"shard_size={args.shard_size}, secondary_shard_size={args.secondary_shard_size}, "
+        f"quantize_gradients={args.quantize_gradients}, num_nodes={args.num_nodes}\n"
     )
     rows = [_row(model, stage, args) for stage in STAGES]
     print(_format_table(rows))
@@ -244,6 +260,11 @@ def _estimate(args: argparse.Namespace) -> None:
             f"Secondary shards: stage 3's parameters include 1/{args.secondary_shard_size} of every unit, held from "
             "its forward to its backward (the end of forward, when all are alive)."
         )
+    if args.quantize_gradients and args.num_nodes > 1:
+        print(
+            "Quantized gradients: stages 1-3's gradients include error feedback's fp32 residuals of what a rank "
+            "sends across nodes."
+        )
 
 
 def _row(model: nn.Module, stage: int, args: argparse.Namespace) -> list[str]:
@@ -260,6 +281,8 @@ def _row(model: nn.Module, stage: int, args: argparse.Namespace) -> list[str]:
         accumulate_grad_batches=args.accumulate_grad_batches,
         shard_size=args.shard_size,
         secondary_shard_size=args.secondary_shard_size if stage == 3 else None,
+        quantize_gradients=args.quantize_gradients,
+        num_nodes=args.num_nodes,
     )
     return [_stage_label(stage), *map(_human_bytes, _columns_of(estimate))]
 

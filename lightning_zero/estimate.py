@@ -22,6 +22,12 @@ unit's slice is alive (the end of forward), on the device whatever ``offload_par
 
     params          += (param_width * Ψ + frozen_width * Φ) / s
 
+With ``quantize_gradients`` (stages 1-3, ZeRO++ qgZ) over M > 1 nodes each rank keeps error feedback's fp32 residual
+of every row of gradients it sends across nodes (see [Note: error feedback]): without ``shard_size`` the M - 1 node
+partials of its slice, with it its shard:
+
+    gradients       += 4 * Ψ * (M - 1) / N      (4 * Ψ / N with shard_size)
+
 It counts every parameter as held by a unit: the root unit's (gathered in full from forward to backward, not
 counted here, as no gathered buffer is) and those of units whose outputs need no gradient keep no slice, so for
 them it is an upper bound.
@@ -114,6 +120,8 @@ def estimate_memory(
     accumulate_grad_batches: int = 1,
     shard_size: int | None = None,
     secondary_shard_size: int | None = None,
+    quantize_gradients: bool = False,
+    num_nodes: int = 1,
 ) -> MemoryEstimate:
     """Estimate the bytes of parameters, gradients and optimizer state that each rank holds.
 
@@ -153,6 +161,10 @@ def estimate_memory(
         secondary_shard_size: stage 3 (ZeRO++ hpZ): units keep 1/secondary_shard_size of their parameters from
             forward to backward; ``params`` then counts them too, as at the end of forward (see [Note: estimate
             formulas]). A positive int dividing the stage-3 gather group's size (``shard_size`` or ``world_size``).
+        quantize_gradients: ZeRO++ qgZ: over ``num_nodes`` > 1, ``gradients`` adds error feedback's fp32 residuals
+            (see [Note: estimate formulas]); stages 1-3 (stage 0 ignores it).
+        num_nodes: the nodes the ``world_size`` ranks run on, the same number on each (read, and checked, with
+            ``quantize_gradients`` only).
 
     Returns:
         The per-rank bytes; ``total`` is what stays on the accelerator.
@@ -162,7 +174,8 @@ def estimate_memory(
             ``optimizer`` or offload target, a ``world_size`` or ``accumulate_grad_batches`` below 1,
             ``offload_optimizer`` at stage 0 or ``offload_params`` below stage 3, a ``shard_size`` that is not a
             positive int dividing ``world_size``, a ``secondary_shard_size`` below stage 3 or not dividing the shard
-            group's size.
+            group's size, with ``quantize_gradients`` a ``num_nodes`` that is not a positive int dividing
+            ``world_size``.
     """
     _check_arguments(model, stage, world_size, precision, optimizer, offload_optimizer, offload_params)
     group = shard_group_size(shard_size, world_size)
@@ -195,6 +208,8 @@ def estimate_memory(
         offloaded, optimizer_states = offloaded + optimizer_states, 0
     if offload_params:
         offloaded, params = offloaded + params, 0
+    if quantize_gradients and stage >= 1:
+        gradients += _feedback_residuals(trainable, world_size, group, num_nodes)
     if secondary_shard_size is not None:  # the slices of every unit at the end of forward, on the device
         params += _per_rank(widths.param * trainable + widths.frozen * frozen, secondary_shard_size)
     if offload_optimizer == "nvme" and offload_params == "nvme":  # ZeRO-Infinity: the gradient shard rests there too
@@ -231,6 +246,20 @@ def _owned(model: nn.Module, stage: int, world_size: int, partition: str) -> tup
         return -(-sum(numels) // world_size), sum(numels) // world_size
     _, loads = assign_owners(numels, world_size)  # by elements: every trained tensor has the same widths
     return max(loads), min(loads)
+
+
+def _feedback_residuals(trainable: int, world_size: int, group: int, num_nodes: int) -> int:
+    """``quantize_gradients``: bytes of error feedback's fp32 residuals per rank, those of the rows it sends across
+    ``num_nodes`` nodes (see [Note: estimate formulas]); 0 on one node."""
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1 or world_size % num_nodes:
+        raise ValueError(
+            f"num_nodes={num_nodes!r} must be a positive int dividing world_size={world_size} (every node runs as "
+            "many ranks), e.g. 1."
+        )
+    if num_nodes == 1:
+        return 0
+    rows = 1 if group < world_size else num_nodes - 1  # hybrid: the shard; flat: the partials that leave the node
+    return rows * _per_rank(REDUCE_BYTES * trainable, group)
 
 
 def _per_rank(nbytes: int, shards: int) -> int:

@@ -192,6 +192,7 @@ class ShardedModel:
             params = sum(b.nbytes for b in self.buffers) + sum(tensor_nbytes(p) for p in unmanaged)
             grads = sum(b.nbytes for b in self.buckets) + sum(tensor_nbytes(p.grad) for p in unmanaged)
         grads += sum(step.step_grad_nbytes for step in self.steps)
+        grads += sum(bucket.feedback_nbytes for bucket in self.buckets)  # quantize_gradients' residuals
         params += sum(unit.secondary.nbytes for unit in self.units if unit.secondary is not None)  # hpZ slices
         stores = [group.store for group in self.trained]
         masters = sum(store.nbytes for store in stores)  # type: ignore[union-attr]  # counted with the optimizer

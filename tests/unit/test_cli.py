@@ -223,3 +223,21 @@ def test_consolidate_progress_line_every_ten_percent(capsys: pytest.CaptureFixtu
     small = _ProgressLine()
     small(5, 10)  # under 100 MB: silent
     assert capsys.readouterr().err == ""
+
+
+def test_quantize_gradients_adds_the_residuals_across_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    # fp32, Ψ = 120,576, N = 4 ranks on 2 nodes: error feedback keeps 4Ψ (M - 1) / N = 0.12 MB of gradients more at
+    # stages 1-3 (stage 0, DDP, has no quantized reduction).
+    base = ["estimate", "--model", GPT, "--precision", "32-true", "--world-size", "4", "--num-nodes", "2"]
+    assert main(base) == 0
+    plain = _rows(capsys.readouterr().out)
+    assert main([*base, "--quantize-gradients"]) == 0
+    output = capsys.readouterr().out
+    quantized = _rows(output)
+    assert "quantize_gradients=True, num_nodes=2" in output
+    assert "error feedback's fp32 residuals" in output
+    assert quantized["0 (DDP)"] == plain["0 (DDP)"]
+    assert [quantized[s][1] for s in "123"] == ["0.60 MB", "0.24 MB", "0.24 MB"]
+    assert [plain[s][1] for s in "123"] == ["0.48 MB", "0.12 MB", "0.12 MB"]
+    with pytest.raises(SystemExit, match=r"--num-nodes 3 does not divide --world-size 4"):
+        main(["estimate", "--model", GPT, "--world-size", "4", "--num-nodes", "3", "--quantize-gradients"])

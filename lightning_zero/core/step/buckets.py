@@ -43,10 +43,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core.comm import Communicator, Work
-from lightning_zero.core.comm.quantize import BlockPlan
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
 from lightning_zero.core.peak import DETACHED, PeakLedger
-from lightning_zero.core.step.quantized_reduction import GRADIENT_BLOCK, NodeReduced
+from lightning_zero.core.step.quantized_reduction import GRADIENT_BLOCK, NodeReduced, QuantizedSlices
 from lightning_zero.core.step.reduction import GradientReduction
 
 
@@ -81,7 +80,7 @@ class GradBucket(ABC):
         self._missing = len(buffer.params)
         self._work: Work | NodeReduced | None = None
         self._replica_work: Work | None = None  # the all-reduce across replicas (see core/step/reduction.py)
-        self._block_plans: list[BlockPlan] | None = None  # per slice, for quantize_gradients
+        self._quantized: QuantizedSlices | None = None  # block plans and residuals, with quantize_gradients
 
     @property
     def ready(self) -> bool:
@@ -158,16 +157,23 @@ class GradBucket(ABC):
             work.wait()
             self._work = None
             self._release_staging()
-            self._replica_work = self.reduction.start_across_replicas(self._reduction_result(), work, self._plans)
+            self._replica_work = self.reduction.start_across_replicas(self._reduction_result(), work, self._slices)
             if self._replica_work is None:
                 self._settle_reduced()
 
-    def _plans(self) -> list[BlockPlan]:
-        """Every slice's block plan for a quantized reduction (see [Note: quantized gradient reduction]), made once."""
-        if self._block_plans is None:
+    def _slices(self) -> QuantizedSlices:
+        """The bucket's state for quantized reductions (see [Note: quantized gradient reduction]), made once: every
+        slice's block plan, and the residuals of error feedback."""
+        if self._quantized is None:
             world = self.buffer.layout.padded_numel // self.buffer.shard_numel
-            self._block_plans = [self.buffer.block_plan(k, GRADIENT_BLOCK, exact_vectors=False) for k in range(world)]
-        return self._block_plans
+            plans = [self.buffer.block_plan(k, GRADIENT_BLOCK, exact_vectors=False) for k in range(world)]
+            self._quantized = QuantizedSlices(plans)
+        return self._quantized
+
+    @property
+    def feedback_nbytes(self) -> int:
+        """Bytes of error feedback's residuals (``quantize_gradients`` across nodes; see [Note: error feedback])."""
+        return 0 if self._quantized is None else self._quantized.nbytes
 
     def _wait_replicas(self) -> None:
         if self._replica_work is not None:

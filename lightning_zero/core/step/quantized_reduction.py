@@ -4,9 +4,9 @@
 Across nodes the link is the slow one, so only what crosses it is quantized, once (see [Note: block-wise int8]
 in core/comm/quantize.py). A bucket, divided by the world size as always, is first reduce-scattered inside the node
 in the gradient's reduce dtype (exact, as without the option); each rank then holds a *node partial*: its node's sum
-of some slices. Those partials cross nodes as int8 values with fp32 block scales, rounded stochastically (an
-expected value equal to the partial, so the sum stays unbiased), and every rank dequantizes what it received and
-sums it in fp32, in node order, into its shard of the global sum.
+of some slices. Those partials cross nodes as int8 values with fp32 block scales, with error feedback (see [Note:
+error feedback]), and every rank dequantizes what it received and sums it in fp32, in node order, into its shard of
+the global sum.
 
 - Flat (no ``shard_size``, N = M nodes x L ranks): rank ``n L + l`` owns the ``(n L + l)``-th slice of the bucket. The
   bucket's slices are permuted before the node's reduce-scatter so that local rank ``l`` receives the node partials
@@ -23,14 +23,32 @@ sums it in fp32, in node order, into its shard of the global sum.
 
 Gradients travel in blocks of ``GRADIENT_BLOCK`` = 64 elements (1.0625 bytes an element), restarting at each tensor
 of the bucket (each slice's ``BlockPlan``, made once per bucket; rows travel with their scales padded to the slice
-with the most): the noise of stochastic rounding is a block's absmax / 127 per element, so a block spanning a
-matrix's large gradients and a LayerNorm weight's small ones buried the latter (one step of the example GPT: its
-``ln_2.weight`` gradients 14% off, every other tensor 0.4-0.9%; 0.5% with the plans).
+with the most): a block's rounding step is its absmax / 127, so a block spanning a matrix's large gradients and a
+LayerNorm weight's small ones buried the latter (one step of the example GPT: its ``ln_2.weight`` gradients 14% off,
+every other tensor 0.4-0.9%; 0.5% with the plans).
 
-On one node nothing crosses nodes and the option changes nothing (``Topology`` makes no node groups). The noise of
-the stochastic rounding comes from a generator seeded by (the count of quantized reductions this rank ran, its
-global rank): the same on every run, different per rank and per bucket. An inf or NaN in a partial gives its block a
-non-finite scale and a non-finite dequantized sum, so an fp16 overflow still skips the step on every rank.
+On one node nothing crosses nodes and the option changes nothing (``Topology`` makes no node groups). An inf or NaN
+in a partial gives its block a non-finite scale and a non-finite dequantized sum, so an fp16 overflow still skips
+the step on every rank.
+
+[Note: error feedback]
+What a rank sends is rounded to nearest, and what the rounding missed is not lost: each bucket keeps, per row it
+sends, an fp32 *residual*, added to that row before the next reduction quantizes it (``x = partial + residual``,
+send ``q(x)``, keep ``x - q(x)``; Seide et al. 2014, 1-bit SGD). Over T reductions the sum of what was sent is the
+sum of the partials less the last residual, at most half a block step per element: the error does not grow with
+the steps, where stochastic rounding (this module's first technique: unbiased, but a block step of noise in every
+reduction) added independent noise each time that Adam, dividing by the gradients' own magnitude, turned into
+lr-sized steps of near-zero gradients (the example GPT, 500 steps, mean loss of the last 100: +0.01% and +4.3% over
+unquantized stage 3 on two data seeds with stochastic rounding; see docs/benchmarks.md for error feedback's).
+
+- Memory: the residuals of the rows a rank sends, fp32: flat, the M - 1 partials that leave the node, ``(M - 1) / N``
+  of the trained elements; hybrid, the rank's shard, ``1 / shard_size`` of them. Counted in ``memory_report()``'s
+  ``gradients`` from the first reduction on, and in ``estimate_memory(quantize_gradients=True, num_nodes=M)``.
+- A residual holding inf or NaN (a partial that overflowed) is set to 0 there, so one skipped fp16 step does not
+  poison the next ones.
+- Residuals are not saved in checkpoints (they belong to a topology, and what is saved is exact): a resumed run
+  starts them at 0, which differs from the uninterrupted run by at most one rounding per element.
+- The rounding is deterministic: the same run repeats bit for bit.
 """
 
 from __future__ import annotations
@@ -78,6 +96,36 @@ class Then:
         return self.work.is_completed()
 
 
+class QuantizedSlices:
+    """One bucket's state across its quantized reductions: how each of its slices is cut into blocks, the scales a
+    row travels with (the most of any slice), and the residuals of error feedback (see [Note: error feedback]).
+
+    Args:
+        plans: per slice of the bucket (one per rank of the reduction), in rank order.
+    """
+
+    def __init__(self, plans: Sequence[BlockPlan]) -> None:
+        self.plans = tuple(plans)
+        self.scales = max(plan.scale_count for plan in self.plans)
+        self.residual: Tensor | None = None  # rows sent x slice elements, fp32; made at the first reduction
+
+    @classmethod
+    def uniform(cls, numel: int, slices: int) -> QuantizedSlices:
+        """Slices of ``numel`` elements in blocks from each slice's start (a bucket of one tensor)."""
+        return cls([BlockPlan.build(numel, block=GRADIENT_BLOCK)] * slices)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the residuals held now."""
+        return 0 if self.residual is None else self.residual.numel() * self.residual.element_size()
+
+    def residual_rows(self, rows: int, numel: int, device: torch.device) -> Tensor:
+        """The residuals of ``rows`` rows of ``numel`` elements, zeros at first."""
+        if self.residual is None:
+            self.residual = torch.zeros(rows, numel, dtype=torch.float32, device=device)
+        return self.residual
+
+
 class QuantizedReduction:
     """The two hops of a quantized gradient reduction. See [Note: quantized gradient reduction].
 
@@ -90,8 +138,6 @@ class QuantizedReduction:
 
     def __init__(self, node: Communicator, cross: Communicator, hierarchical: bool) -> None:
         self.node, self.cross, self.hierarchical = node, cross, hierarchical
-        self._count = 0  # quantized reductions run: with the global rank, the seed of the rounding noise
-        self._generator: torch.Generator | None = None
 
     @classmethod
     def of(cls, topology: Topology) -> QuantizedReduction | None:
@@ -99,6 +145,11 @@ class QuantizedReduction:
         if topology.node is None or topology.cross is None:
             return None
         return cls(topology.node, topology.cross, hierarchical=topology.replicate is None)
+
+    @property
+    def slices(self) -> int:
+        """Slices a bucket is cut into: one per rank the reduction spans."""
+        return self.node.world_size * (self.cross.world_size if self.hierarchical else 1)
 
     def start(self, output: Tensor, input: Tensor) -> Work | NodeReduced:
         """Start the exact hop: the reduce-scatter inside the node. ``input`` (the whole bucket, divided) is spent."""
@@ -112,54 +163,46 @@ class QuantizedReduction:
         partial = torch.empty(nodes * shard, dtype=input.dtype, device=input.device)
         return NodeReduced(self.node.reduce_scatter(partial, permuted, async_op=True), partial)  # type: ignore[arg-type]
 
-    def across(self, output: Tensor, reduced: Work | NodeReduced, plans: Sequence[BlockPlan] = ()) -> Work:
+    def across(self, output: Tensor, reduced: Work | NodeReduced, slices: QuantizedSlices) -> Work:
         """Start the quantized hop across nodes (after ``reduced`` completed); its wait writes this rank's shard of
-        the global sum into ``output``. ``plans[k]``: how slice ``k`` of the bucket is cut into blocks (restarting at
-        its tensors; default: blocks from each slice's start)."""
-        generator = self._next_generator(output.device)
+        the global sum into ``output``. ``slices``: the bucket's block plans and residuals, updated here."""
         n = output.numel()
-        plans = plans or [BlockPlan.build(n, block=GRADIENT_BLOCK)] * (self.node.world_size * self.cross.world_size)
-        scales = max(plan.scale_count for plan in plans)  # rows travel padded to the slice with the most
         if isinstance(reduced, NodeReduced):
-            rows = reduced.partial.view(self.cross.world_size, n)
-            local = self.node.rank  # row r holds slice r * L + local (see the permutation in start)
-            row_plans = [plans[r * self.node.world_size + local] for r in range(self.cross.world_size)]
-            packed = _pack(rows, generator, row_plans, scales)
+            nodes, local, own, local_size = self.cross.world_size, self.node.rank, self.cross.rank, self.node.world_size
+            rows = reduced.partial.view(nodes, n)  # row r holds slice r * L + local (see the permutation in start)
+            mine = slices.plans[own * local_size + local]  # every row received is a partial of this rank's slice
+            residuals = slices.residual_rows(nodes - 1, n, output.device)
+            packed = torch.zeros(nodes, n + 4 * slices.scales, dtype=torch.uint8, device=output.device)
+            sent = (r for r in range(nodes) if r != own)  # the own node's partial never travels
+            for row, residual in zip(sent, residuals, strict=True):  # row r goes to the owner of slice r * L + local
+                _quantize_with_feedback(rows[row], residual, slices.plans[row * local_size + local], packed[row])
             received = torch.empty_like(packed)
             work = self.cross.all_to_all(received.view(-1), packed.view(-1), "quantized_all_to_all", async_op=True)
-            own = self.cross.rank  # this node's partial never travels: it stays exact
-            mine = row_plans[own]  # every row received is a partial of this rank's slice
             return Then(work, lambda: _sum_rows(received, output, mine, (own, rows[own])))  # type: ignore[arg-type]
-        mine = plans[self.node.rank]  # every replica sends the same slice of the bucket
-        packed = _pack(output.view(1, -1), generator, [mine], scales)
+        mine = slices.plans[self.node.rank]  # every replica sends the same slice of the bucket
+        packed = torch.zeros(n + 4 * slices.scales, dtype=torch.uint8, device=output.device)
+        _quantize_with_feedback(output, slices.residual_rows(1, n, output.device)[0], mine, packed)
         gathered = torch.empty(self.cross.world_size * packed.numel(), dtype=torch.uint8, device=output.device)
-        work = self.cross.all_gather(gathered, packed.view(-1), async_op=True, label="quantized_all_gather")
+        work = self.cross.all_gather(gathered, packed, async_op=True, label="quantized_all_gather")
         rows_in = gathered.view(self.cross.world_size, -1)
         return Then(work, lambda: _sum_rows(rows_in, output, mine, None))  # type: ignore[arg-type]
 
-    def _next_generator(self, device: torch.device) -> torch.Generator:
-        if self._generator is None:
-            self._generator = torch.Generator(device=device)
-        self._generator.manual_seed((self._count << 24) + self.node.global_rank)
-        self._count += 1
-        return self._generator
 
-
-def _pack(rows: Tensor, generator: torch.Generator, plans: Sequence[BlockPlan], scales: int) -> Tensor:
-    """Each row of ``rows`` (m x n) quantized by itself with its plan, as the bytes of its int8 values then its fp32
-    scales, padded to ``scales``."""
-    m, n = rows.shape
-    packed = torch.zeros(m, n + 4 * scales, dtype=torch.uint8, device=rows.device)
-    for index, plan in enumerate(plans):
-        values, row_scales = quantize_blocks(rows[index], generator=generator, plan=plan)
-        packed[index, :n] = values.view(torch.uint8)
-        packed[index, n : n + 4 * plan.scale_count] = row_scales.view(torch.uint8)
-    return packed
+def _quantize_with_feedback(x: Tensor, residual: Tensor, plan: BlockPlan, into: Tensor) -> None:
+    """``x + residual`` rounded to nearest, as the bytes of its int8 values then its fp32 scales, into ``into``;
+    ``residual`` becomes what those bytes miss (0 where inf/NaN). See [Note: error feedback]."""
+    n = x.numel()
+    residual.add_(x)
+    values, scales = quantize_blocks(residual, plan=plan)
+    into[:n] = values.view(torch.uint8)
+    into[n : n + 4 * plan.scale_count] = scales.view(torch.uint8)
+    residual.sub_(dequantize_blocks(values, scales, torch.empty_like(residual), plan=plan))
+    residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _sum_rows(packed: Tensor, output: Tensor, plan: BlockPlan, exact: tuple[int, Tensor] | None) -> None:
-    """The fp32 sum, in row order, of the rows that ``packed`` (from :func:`_pack`, every row cut by ``plan``)
-    stands for, into ``output``; with ``exact = (i, values)`` row ``i`` is ``values`` itself."""
+    """The fp32 sum, in row order, of the rows that ``packed`` (every row cut by ``plan``: values, then scales) stands
+    for, into ``output``; with ``exact = (i, values)`` row ``i`` is ``values`` itself."""
     n = output.numel()
     values = packed[:, :n].view(torch.int8)
     scales = packed[:, n : n + 4 * plan.scale_count].contiguous().view(torch.float32)

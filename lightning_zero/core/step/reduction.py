@@ -11,14 +11,13 @@ hops (see [Note: quantized gradient reduction]) and keeps that timing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from lightning_zero.core.comm import Communicator, Work
-from lightning_zero.core.comm.quantize import BlockPlan
-from lightning_zero.core.step.quantized_reduction import NodeReduced, QuantizedReduction
+from lightning_zero.core.step.quantized_reduction import NodeReduced, QuantizedReduction, QuantizedSlices
 
 
 @dataclass(frozen=True)
@@ -48,13 +47,14 @@ class GradientReduction:
         return self.shard.reduce_scatter(output, input, async_op=True, sizes=sizes)  # type: ignore[return-value]
 
     def start_across_replicas(
-        self, shard: Tensor, reduced: Work | NodeReduced, plans: Callable[[], Sequence[BlockPlan]] = tuple
+        self, shard: Tensor, reduced: Work | NodeReduced, slices: Callable[[], QuantizedSlices] | None = None
     ) -> Work | None:
         """Once the first hop (``reduced``) completed: start summing the reduced ``shard`` (in place) across the
-        replicas, or the quantized hop across nodes (``plans()``: the bucket's slices' block plans); ``None`` when
-        there is nothing more to do."""
+        replicas, or the quantized hop across nodes (``slices()``: the bucket's block plans and residuals, see
+        [Note: error feedback]); ``None`` when there is nothing more to do."""
         if self.quantized is not None:
-            return self.quantized.across(shard, reduced, plans())
+            state = slices() if slices is not None else QuantizedSlices.uniform(shard.numel(), self.quantized.slices)
+            return self.quantized.across(shard, reduced, state)
         if self.replicate is None:
             return None
         return self.replicate.all_reduce(shard, async_op=True)
