@@ -68,7 +68,8 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
             of this many ranks inside a node, so that backward's gathers never leave the node; costs
             1/secondary_shard_size of the units' parameters per rank until backward (see docs/configuration.md).
         quantize_gradients: reduce gradients inside each node, then send them across nodes as int8 with block
-            scales, unbiased (stochastic rounding); see docs/configuration.md. Changes nothing on one node.
+            scales and error feedback (an fp32 residual of what a rank sends, (nodes - 1) / N of the gradients);
+            see docs/configuration.md. Changes nothing on one node.
         quantize_weights: stage 3: the forward and backward parameter all-gathers send int8 values with one fp32
             scale per 256 elements of a tensor, 1-D tensors exact (ZeRO++'s qwZ); shards, fp32 masters and
             checkpoints stay exact.

@@ -49,8 +49,8 @@ class EngineOptions:
             full buffer within a group of this many consecutive ranks (inside one node), from which backward gathers
             the unit; ``None``: backward gathers over the whole gather group (see [Note: secondary shards]).
         quantize_gradients: gradients are reduced inside each node first and cross nodes as int8 with block scales,
-            rounded stochastically so the sum stays unbiased (see [Note: quantized gradient reduction]); on one node
-            it changes nothing.
+            rounded to nearest with error feedback, so what rounding misses is sent with the next reduction (see
+            [Note: quantized gradient reduction] and [Note: error feedback]); on one node it changes nothing.
         quantize_weights: stage 3 with ``partition="flat"``: the forward and backward parameter gathers send int8
             values with block scales; shards, masters and checkpoints stay exact (see [Note: quantized all-gather]).
     """
