@@ -174,7 +174,7 @@ def _exactness(rank: int, comm: Communicator, out: dict[str, Any]) -> None:
         gathered = {name: p.detach().clone() for name, p in model.named_parameters()}
     expected, buffer_b = torch.empty_like(exact), unit_b.buffers[0]
     for rank_of_part, (part, target) in enumerate(zip(exact.chunk(2), expected.chunk(2), strict=True)):
-        plan = buffer_b.block_plan(rank_of_part)
+        plan = buffer_b.block_plans()[rank_of_part]
         dequantize_blocks(*quantize_blocks(part, plan=plan), target, plan=plan)
     out["forward_dequantized"] = torch.equal(seen["b"], expected)
     out["forward_not_exact"] = not torch.equal(seen["b"], exact)

@@ -97,6 +97,7 @@ class FlatParamBuffer:
             raise ValueError(f"a flat buffer needs one dtype and one device, got {dtypes} and {devices}")
         self.params = list(params)
         self.rank = rank
+        self._block_plans: dict[tuple[int, bool], tuple[BlockPlan, ...]] = {}  # see block_plans
         shapes = [tuple(p.shape) for p in self.params]
         self.layout: Layout = (
             FlatLayout.build(shapes, world_size) if owners is None else OwnerLayout.build(shapes, owners, world_size)
@@ -129,10 +130,18 @@ class FlatParamBuffer:
         """Elements of this rank's shard (with whole-tensor owners, they differ between ranks)."""
         return self.layout.shard_size(self.rank)
 
-    def block_plan(self, rank: int, block: int = QUANT_BLOCK, exact_vectors: bool = True) -> BlockPlan:
-        """How ``rank``'s shard (of the parameters, or of their gradients) travels quantized: blocks of ``block``
-        restart where a tensor begins, and with ``exact_vectors`` tensors of at most one dimension (biases, norms'
-        weights) travel exact (see [Note: blocks never span two tensors])."""
+    def block_plans(self, block: int = QUANT_BLOCK, exact_vectors: bool = True) -> tuple[BlockPlan, ...]:
+        """How each rank's shard (of the parameters, or of their gradients) travels quantized, in rank order: blocks
+        of ``block`` restart where a tensor begins, and with ``exact_vectors`` tensors of at most one dimension
+        (biases, norms' weights) travel exact (see [Note: blocks never span two tensors]). Made once per choice:
+        the layout never changes."""
+        key = (block, exact_vectors)
+        if key not in self._block_plans:
+            ranks = self.layout.padded_numel // self.shard_numel
+            self._block_plans[key] = tuple(self._block_plan(rank, block, exact_vectors) for rank in range(ranks))
+        return self._block_plans[key]
+
+    def _block_plan(self, rank: int, block: int, exact_vectors: bool) -> BlockPlan:
         pieces, padding = self.layout.pieces(rank), self.layout.numel - rank * self.shard_numel  # zeros from there
         exact = [p.shard_offset for p in pieces if exact_vectors and len(self.layout.slots[p.slot].shape) <= 1]
         return BlockPlan.build(self.shard_numel, [*(p.shard_offset for p in pieces), padding], exact, block)
@@ -281,7 +290,6 @@ class ShardedBuffer(FlatParamBuffer):
         self._reading: Future[Tensor] | None = None  # a read-ahead of the resting shard (see read_ahead)
         self._written = False
         self.quantized = False  # the full buffer holds dequantized int8 values, not the shards' exact ones
-        self._gather_plans: list[BlockPlan] | None = None  # per rank, for quantized gathers (see block_plan)
         super().__init__(params, rank, world_size, device, owners)
 
     @property  # type: ignore[override]
@@ -376,9 +384,7 @@ class ShardedBuffer(FlatParamBuffer):
         target = torch.empty(0, dtype=self.data.dtype, device=self.data.device).set_(storage, 0, self.data.shape)
         self.quantized = quantized
         if quantized:
-            if self._gather_plans is None:  # made once: the layout never changes
-                self._gather_plans = [self.block_plan(rank) for rank in range(comm.world_size)]
-            return comm.all_gather_quantized(target, part, what, async_op=True, plans=self._gather_plans)
+            return comm.all_gather_quantized(target, part, what, async_op=True, plans=self.block_plans())
         return comm.all_gather(target, part, async_op=True, sizes=sizes)
 
     def commit_shard(self) -> None:

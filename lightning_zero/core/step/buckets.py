@@ -165,9 +165,7 @@ class GradBucket(ABC):
         """The bucket's state for quantized reductions (see [Note: quantized gradient reduction]), made once: every
         slice's block plan, and the residuals of error feedback."""
         if self._quantized is None:
-            world = self.buffer.layout.padded_numel // self.buffer.shard_numel
-            plans = [self.buffer.block_plan(k, GRADIENT_BLOCK, exact_vectors=False) for k in range(world)]
-            self._quantized = QuantizedSlices(plans)
+            self._quantized = QuantizedSlices(self.buffer.block_plans(GRADIENT_BLOCK, exact_vectors=False))
         return self._quantized
 
     @property
