@@ -24,7 +24,7 @@ rank's stderr is searched for an abort, and every rank's exit status is checked:
 ``--after-fit gather`` (popen, torchrun: ranks that run the script) reads the full weights after ``fit``, as a
 script that saves them does: ``gathered_params()`` for ZeroStrategy, an all-reduce of a copy of each parameter for
 another strategy. Collectives right before the interpreter ends are what made ranks abort (see [Note: groups alive
-at exit] in lightning_zero/core/comm/communicator.py); without them the window is rarely hit.
+at exit] in lightning_zero/core/comm/groups.py); without them the window is rarely hit.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ Fabric's). Imports no ``lightning.pytorch``.
 
 [Note: destroying the groups when a rank ends]
 A rank that ends with its gloo groups alive may abort in interpreter teardown (see [Note: groups alive at exit] in
-core/comm/communicator.py), so after a run that ended well they are destroyed while the interpreter is whole: by the
+core/comm/groups.py), so after a run that ended well they are destroyed while the interpreter is whole: by the
 spawn/fork worker when ``fit`` returned, and, for ranks that run the script themselves (Lightning's ``"popen"``
 launcher, torchrun, a cluster's launcher), by an exit hook the strategy registers when it sets up the process group. The
 groups stay until exit: a second ``fit``, ``trainer.test`` or the user's own collectives may follow. Once this

@@ -28,6 +28,7 @@ from lightning_zero.core.stage3.units import GatherUnit
 from lightning_zero.core.step.buckets import GradBucket
 from lightning_zero.core.step.full_bucket import FullGradBucket
 from lightning_zero.core.step.optimizer_step import OptimizerStep
+from lightning_zero.core.step.step_grads import StepGrads
 from tests.helpers import run_on_ranks
 
 WORLD_SIZE = 2
@@ -161,7 +162,8 @@ def _measure(rank: int, stage: int, precision: str, probe: list[Probe]) -> dict[
 
 def _all(rank: int, world_size: int) -> dict[tuple[int, str], dict[str, Any]]:
     probe: list[Probe] = []
-    for cls, names in ((GatherUnit, ("start_unshard", "reshard")), (OptimizerStep, ("prepare", "_release"))):
+    wrapped = ((GatherUnit, ("start_unshard", "reshard")), (OptimizerStep, ("prepare",)), (StepGrads, ("release",)))
+    for cls, names in wrapped:
         for name in names:
             _wrap(cls, name, probe)
     for name in ("add_grad", "launch", "wait", "finish", "reset"):

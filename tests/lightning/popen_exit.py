@@ -1,6 +1,6 @@
 """Two ZeRO-3 fits on one Trainer, 2 ranks started by Lightning's popen launcher, that read the full weights right after
 the last ``fit``, as a script that saves them does: collectives up to the moment the interpreter ends (see [Note:
-groups alive at exit] in lightning_zero/core/comm/communicator.py); the groups live on between the fits.
+groups alive at exit] in lightning_zero/core/comm/groups.py); the groups live on between the fits.
 
 ``python tests/lightning/popen_exit.py``: this process is rank 0 and Lightning starts the script again as rank 1.
 At the end rank 0 waits for rank 1 and prints ``rank 1 exit status N``. Run by tests/lightning/test_launcher.py.

@@ -36,7 +36,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from lightning_zero.core.comm.communicator import CommStats, Communicator
+from lightning_zero.core.comm.communicator import Communicator
+from lightning_zero.core.comm.stats import CommStats
 from lightning_zero.core.options import check_secondary_shard_size, check_shard_size
 
 

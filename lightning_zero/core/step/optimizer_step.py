@@ -26,11 +26,12 @@ from lightning_zero.core.comm import wait_all
 from lightning_zero.core.comm.topology import Topology
 from lightning_zero.core.layout.resting import engine_access
 from lightning_zero.core.mixed_precision import DynamicLossScaler
-from lightning_zero.core.peak import DETACHED, PeakLedger, Tracked
+from lightning_zero.core.peak import PeakLedger
 from lightning_zero.core.step.buckets import GradBucket
 from lightning_zero.core.step.entry import StepEntry
 from lightning_zero.core.step.loss_weight import LossWeights
-from lightning_zero.core.step.paged import PagedStepGrads, run_paged
+from lightning_zero.core.step.paged import run_paged
+from lightning_zero.core.step.step_grads import StepGrads
 from lightning_zero.core.step.zero_grad import clearing_class
 
 
@@ -64,18 +65,6 @@ class LossScaling:
         return self.weights is not None and self.weights.skips
 
 
-def _wide_nbytes(step: OptimizerStep, grads: Sequence[Tensor | None]) -> int:
-    """Bytes of step gradients that are copies (wide, of a master), not the held gradients themselves."""
-    if not grads:
-        return 0
-    storages = {  # by address: a view's untyped_storage() is a new object each time, its id may be reused
-        g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
-        for g, e in zip(grads, step.entries, strict=False)
-        if g is not None and not _same_storage(g, e.bucket.held(e.slot))
-    }
-    return sum(storages.values())
-
-
 class OptimizerStep:
     """The step of one optimizer over sharded parameters. See [Note: the step window].
 
@@ -89,9 +78,6 @@ class OptimizerStep:
         on_step_end: called after every step (the engine takes the step's communication counts).
         on_prepare: called before the step gradients are made (the engine agrees on the loss weight there).
     """
-
-    ledger: PeakLedger = DETACHED  # counts the step gradients (see [Note: step peak ledger])
-    _step_grads: Tracked[list[Tensor | None]] = Tracked("temporaries", _wide_nbytes)  # per entry (paged: None)
 
     def __init__(
         self,
@@ -112,10 +98,7 @@ class OptimizerStep:
         self.on_step_end = on_step_end
         self.state = StepState.IDLE
         self._finite = True
-        self._scale: float | None = None
-        self._clipped = False
-        self._step_grads = []  # per entry; None for paged stores (see self._paged)
-        self._paged = PagedStepGrads([], None)
+        self.step_grads = StepGrads()
         self._handles: list[RemovableHandle] = []
         self._paging = False
         self.set_entries(entries)
@@ -123,6 +106,7 @@ class OptimizerStep:
     def set_entries(self, entries: Sequence[StepEntry]) -> None:
         self.discard()
         self.entries = list(entries)
+        self.step_grads.entries = self.entries
         self._managed = {id(entry.param) for entry in self.entries}
         self._buffers = list({id(e.store.buffer): e.store.buffer for e in self.entries}.values())
         self._stores = list({id(e.store): e.store for e in self.entries}.values())
@@ -162,92 +146,47 @@ class OptimizerStep:
         for store in self._stores:
             if store.buffer.may_change_at_rest:  # parameters written in place since the last step
                 store.sync_from_params()
-        self._step_grads = self._make_step_grads(scale)
-        self._paged = PagedStepGrads(self.entries, scale)  # see [Note: paged step gradients]
-        self._scale, self._clipped, self._finite = scale, False, True
+        self.step_grads.make(scale)
+        self._finite = True
         self._weight_skipped = self.scaling.weight_skips  # a step over no tokens (see [Note: weighted loss])
         if self._weight_skipped:
             self._finite = False
         elif scale is not None:
-            overflow = torch.zeros((), dtype=torch.uint8, device=self.device)
-            for grad in self._step_grads:
-                if grad is not None:
-                    overflow |= (~torch.isfinite(grad).all()).to(self.device)  # no host sync per tensor on the device
-            for _, grads in self._paged.each():
-                for grad in grads:
-                    overflow |= (~torch.isfinite(grad).all()).to(self.device)  # paged: on the host
+            overflow = self.step_grads.overflow(self.device)
             self.world.all_reduce(overflow, op="max")
             self._finite = not overflow.item()
         self.state = StepState.PREPARED
         return self._finite
-
-    def _make_step_grads(self, scale: float | None) -> list[Tensor | None]:
-        grads: list[Tensor | None] = [None] * len(self.entries)
-        by_store: dict[int, list[int]] = {}
-        for index, entry in enumerate(self.entries):
-            if entry.bucket.live[entry.slot] and not entry.store.paged:
-                by_store.setdefault(id(entry.store), []).append(index)
-        for indices in by_store.values():
-            store = self.entries[indices[0]].store
-            held = [self._held(index) for index in indices]
-            made = store.step_grads([self.entries[i].slot for i in indices], held, scale)
-            for index, grad in zip(indices, made, strict=True):
-                grads[index] = grad
-        return grads
-
-    def _held(self, index: int) -> Tensor:
-        entry = self.entries[index]
-        held = entry.bucket.held(entry.slot)
-        assert held is not None
-        return held
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the step gradients by their global norm over all shards; returns the norm (collective)."""
         self.prepare()
         device = self.device
         if math.isinf(norm_type):  # each term on the control device: offloaded gradients rest on the host
-            terms = self._per_gradient(lambda g: g.abs().max().to(device))
+            terms = self.step_grads.per_gradient(lambda g: g.abs().max().to(device))
             local = torch.stack(terms).max() if terms else torch.zeros((), device=device)
             total = local.float().clone()
             self.comm.all_reduce(total, op="max")
         else:
-            terms = self._per_gradient(
+            terms = self.step_grads.per_gradient(
                 lambda g: (torch.linalg.vector_norm(g, norm_type).float() ** norm_type).to(device)
             )
             total = sum(terms, torch.zeros((), device=device))
             self.comm.all_reduce(total, op="sum")
             total = total ** (1.0 / norm_type)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s
-        self._transform(lambda grad: grad.mul_(coefficient.to(grad.device, grad.dtype)))
+        self.step_grads.transform(lambda grad: grad.mul_(coefficient.to(grad.device, grad.dtype)))
         return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
         self.prepare()
-        self._transform(lambda grad: grad.clamp_(min=-clip_value, max=clip_value))
-
-    def _transform(self, fn: Callable[[Tensor], object]) -> None:
-        """Clip every step gradient in place: now where they are in memory, when made for paged stores."""
-        self._clipped = True
-        for grad in self._step_grads:
-            if grad is not None:
-                fn(grad)
-        self._paged.transform(fn)
-
-    def _per_gradient(self, fn: Callable[[Tensor], Tensor]) -> list[Tensor]:
-        """``fn`` of every non-empty step gradient, in the order of the entries (paged stores streamed)."""
-        made: dict[int, Tensor] = {i: fn(g) for i, g in enumerate(self._step_grads) if g is not None and g.numel()}
-        for indices, grads in self._paged.each():
-            made.update((i, fn(g)) for i, g in zip(indices, grads, strict=True) if g.numel())
-        return [made[i] for i in sorted(made)]
+        self.step_grads.transform(lambda grad: grad.clamp_(min=-clip_value, max=clip_value))
 
     def gradients(self) -> list[Tensor]:
         """The gradients the optimizer would see now, of this rank's pieces: the step gradients once prepared (cast,
         unscaled, clipped; copies for paged stores), else the held reduced ones."""
         if self.state is not StepState.IDLE:
-            made = {i: g for i, g in enumerate(self._step_grads) if g is not None}
-            for indices, grads in self._paged.each():
-                made.update((i, g.clone()) for i, g in zip(indices, grads, strict=True))
-            return [made[i] for i in sorted(made)]
+            return self.step_grads.current()
         return [grad for entry in self.entries if (grad := entry.bucket.held(entry.slot)) is not None]
 
     def zero_grad(self, set_to_none: bool, only: set[int] | None = None) -> None:
@@ -269,14 +208,14 @@ class OptimizerStep:
         self._check_unmanaged()
         self.state = StepState.STEPPING
         with torch.no_grad(), engine_access():
-            for entry, grad in zip(self.entries, self._step_grads, strict=True):
+            for entry, grad in zip(self.entries, self.step_grads.made, strict=True):
                 buffer = entry.store.buffer
                 entry.param.grad = None
                 entry.param.data = buffer.shaped(entry.store.step_view(entry.slot), entry.slot)
                 # A tensor another rank owns whole gets no grad: no state here (see [Note: owner layout]).
                 stepped = finite and grad is not None and not buffer.owned_elsewhere(entry.slot)  # (paged: None)
                 entry.param.grad = buffer.shaped(grad, entry.slot) if stepped else None
-            if finite and self._paged:
+            if finite and self.step_grads.paged:
                 self._step_paged()
 
     def _step_paged(self) -> None:
@@ -290,7 +229,7 @@ class OptimizerStep:
         try:
             run_paged(
                 self.optimizer,
-                self._paged.work(),
+                self.step_grads.paged.work(),
                 (lambda: raw(self.optimizer)) if raw is not None else self._reentrant_step,
                 self.world,
                 self.device,
@@ -320,7 +259,7 @@ class OptimizerStep:
                 store.finish()
         for buffer in self._buffers:
             buffer.settle()  # offload_params="nvme": shards read for the step go back to disk
-        self._release()  # the wide step gradients go before the gather of new shards needs its memory
+        self.step_grads.release()  # the wide step gradients go before the gather of new shards needs its memory
         if self._finite:
             wait_all([buffer.publish(self.comm) for buffer in self._buffers])
         self._end_step(stepped=self._finite)
@@ -339,7 +278,7 @@ class OptimizerStep:
     def discard(self) -> None:
         """The prepared step will not come (a new backward, ``zero_grad``, a skipped step): drop its gradients."""
         if self.state is StepState.PREPARED:
-            self._release()
+            self.step_grads.release()
             self.state = StepState.IDLE
 
     def skip(self) -> None:
@@ -348,23 +287,11 @@ class OptimizerStep:
         self.on_step_end()
 
     def _end_step(self, stepped: bool) -> None:
-        self._release()
+        self.step_grads.release()
         self.state = StepState.IDLE
-        if self._scale is not None and self.scaling.scaler is not None and not self._weight_skipped:
+        if self.step_grads.scale is not None and self.scaling.scaler is not None and not self._weight_skipped:
             self.scaling.scaler.update(found_inf=not stepped)
         self.on_step_end()
-
-    def _release(self) -> None:
-        self._paged.finish()
-        by_store: dict[int, list[int]] = {}
-        for index, grad in enumerate(self._step_grads):
-            if grad is not None:
-                by_store.setdefault(id(self.entries[index].store), []).append(index)
-        for indices in by_store.values():
-            store = self.entries[indices[0]].store
-            held = [self._held(i) for i in indices]
-            store.release(held, [self._step_grads[i] for i in indices], self._clipped, self._scale)  # type: ignore[misc]
-        self._step_grads = []
 
     def _check_unmanaged(self) -> None:
         """A trainable parameter that the engine does not shard must not be stepped on its local gradient."""
@@ -382,8 +309,13 @@ class OptimizerStep:
     @property
     def step_grad_nbytes(self) -> int:
         """Bytes of step gradients held now (wide copies of the masters' gradients exist only during a step)."""
-        return _wide_nbytes(self, self._step_grads)
+        return self.step_grads.nbytes
 
+    @property
+    def ledger(self) -> PeakLedger:
+        """Counts the step gradients (see [Note: step peak ledger]); the model attaches its own."""
+        return self.step_grads.ledger
 
-def _same_storage(a: Tensor, b: Tensor | None) -> bool:
-    return b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    @ledger.setter
+    def ledger(self, ledger: PeakLedger) -> None:
+        self.step_grads.ledger = ledger
