@@ -44,7 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core.comm import Communicator, Work
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
-from lightning_zero.core.peak import DETACHED, PeakLedger
+from lightning_zero.core.peak import DETACHED, PeakLedger, Tracked
 from lightning_zero.core.step.quantized_reduction import GRADIENT_BLOCK, NodeReduced, QuantizedSlices
 from lightning_zero.core.step.reduction import GradientReduction
 
@@ -63,6 +63,9 @@ class GradBucket(ABC):
     buffer: FlatParamBuffer
     shard_grad: Tensor  # 1D, layout.shard_numel: the averaged gradient of this rank's shard
     ledger: PeakLedger = DETACHED  # counts the transient buffers (see [Note: step peak ledger])
+    # A quantized reduction in flight holds buffers of its own (its nbytes; see [Note: quantized gradient reduction]).
+    _work: Tracked[Work | NodeReduced | None] = Tracked("buckets", lambda bucket, work: getattr(work, "nbytes", 0))
+    _replica_work: Tracked[Work | None] = Tracked("buckets", lambda bucket, work: getattr(work, "nbytes", 0))
 
     def __init__(
         self, buffer: FlatParamBuffer, reduction: GradientReduction, reduce_dtype: torch.dtype | None = None
@@ -78,8 +81,8 @@ class GradBucket(ABC):
         self.locally_used = [False] * len(buffer.params)  # got a gradient here since the last reduction
         self._arrived = [False] * len(buffer.params)  # got a gradient in the current backward pass
         self._missing = len(buffer.params)
-        self._work: Work | NodeReduced | None = None
-        self._replica_work: Work | None = None  # the all-reduce across replicas (see core/step/reduction.py)
+        self._work = None
+        self._replica_work = None  # the all-reduce across replicas (see core/step/reduction.py)
         self._quantized: QuantizedSlices | None = None  # block plans and residuals, with quantize_gradients
 
     @property

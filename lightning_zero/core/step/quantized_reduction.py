@@ -67,10 +67,11 @@ GRADIENT_BLOCK = 64
 
 
 class NodeReduced:
-    """The node's reduce-scatter in flight, and the node partials it writes (``nodes x shard`` elements)."""
+    """The node's reduce-scatter in flight, and the node partials it writes (``nodes x shard`` elements).
+    ``nbytes``: what it holds while in flight (the permuted bucket it sends, and the partials)."""
 
-    def __init__(self, work: Work, partial: Tensor) -> None:
-        self.work, self.partial = work, partial
+    def __init__(self, work: Work, partial: Tensor, nbytes: int) -> None:
+        self.work, self.partial, self.nbytes = work, partial, nbytes
 
     def wait(self) -> bool:
         return self.work.wait()
@@ -80,10 +81,11 @@ class NodeReduced:
 
 
 class Then:
-    """A collective in flight; ``then`` runs once it completed (the dequantized sum)."""
+    """A collective in flight; ``then`` runs once it completed (the dequantized sum). ``nbytes``: the buffers it
+    holds until then (what it sends and receives, the partials)."""
 
-    def __init__(self, work: Work, then: Callable[[], object]) -> None:
-        self.work, self.then = work, then
+    def __init__(self, work: Work, then: Callable[[], object], nbytes: int) -> None:
+        self.work, self.then, self.nbytes = work, then, nbytes
 
     def wait(self) -> bool:
         self.work.wait()
@@ -161,7 +163,8 @@ class QuantizedReduction:
         # Slice n*L + l belongs to global rank n*L + l: local rank l must receive slices {n*L + l} of every node n.
         permuted = input.view(nodes, local, shard).transpose(0, 1).contiguous().view(-1)
         partial = torch.empty(nodes * shard, dtype=input.dtype, device=input.device)
-        return NodeReduced(self.node.reduce_scatter(partial, permuted, async_op=True), partial)  # type: ignore[arg-type]
+        work = self.node.reduce_scatter(partial, permuted, async_op=True)
+        return NodeReduced(work, partial, _nbytes(permuted, partial))  # type: ignore[arg-type]
 
     def across(self, output: Tensor, reduced: Work | NodeReduced, slices: QuantizedSlices) -> Work:
         """Start the quantized hop across nodes (after ``reduced`` completed); its wait writes this rank's shard of
@@ -178,14 +181,20 @@ class QuantizedReduction:
                 _quantize_with_feedback(rows[row], residual, slices.plans[row * local_size + local], packed[row])
             received = torch.empty_like(packed)
             work = self.cross.all_to_all(received.view(-1), packed.view(-1), "quantized_all_to_all", async_op=True)
-            return Then(work, lambda: _sum_rows(received, output, mine, (own, rows[own])))  # type: ignore[arg-type]
+            then = lambda: _sum_rows(received, output, mine, (own, rows[own]))  # noqa: E731
+            return Then(work, then, _nbytes(packed, received, reduced.partial))  # type: ignore[arg-type]
         mine = slices.plans[self.node.rank]  # every replica sends the same slice of the bucket
         packed = torch.zeros(n + 4 * slices.scales, dtype=torch.uint8, device=output.device)
         _quantize_with_feedback(output, slices.residual_rows(1, n, output.device)[0], mine, packed)
         gathered = torch.empty(self.cross.world_size * packed.numel(), dtype=torch.uint8, device=output.device)
         work = self.cross.all_gather(gathered, packed, async_op=True, label="quantized_all_gather")
         rows_in = gathered.view(self.cross.world_size, -1)
-        return Then(work, lambda: _sum_rows(rows_in, output, mine, None))  # type: ignore[arg-type]
+        then = lambda: _sum_rows(rows_in, output, mine, None)  # noqa: E731
+        return Then(work, then, _nbytes(packed, gathered))  # type: ignore[arg-type]
+
+
+def _nbytes(*tensors: Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _quantize_with_feedback(x: Tensor, residual: Tensor, plan: BlockPlan, into: Tensor) -> None:
