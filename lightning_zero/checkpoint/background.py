@@ -18,7 +18,7 @@ One save is in flight at a time: a new save first waits for the previous one to 
 tensors in host memory (``snapshot_bytes``) to the end of ``fit``. They are made ahead of the first save
 (:meth:`BackgroundSaves.prepare`, at the start of the first training step after an optimizer step, once the
 optimizer state exists): the worker thread allocates them and touches every page, so the first save's step waits
-for a refill as every later one does, not for the allocation and the page faults (1.1-2.7 s a GiB measured on a
+for a refill as every later one does, not for the allocation and the page faults (1.1-2.7 s for 1.1 GiB on a
 shared CPU host). A save that comes first allocates what it lacks itself. A checkpoint
 removed while a save is in flight (``ModelCheckpoint(save_top_k=k)`` deleting the oldest) is removed only after
 that save committed, so a crash at any moment leaves the last committed checkpoint. The training thread learns
@@ -98,7 +98,7 @@ class BackgroundSaves:
     @property
     def unprepared(self) -> bool:
         """No copies were made ahead this fit, and no save made them yet (:meth:`prepare` would make them)."""
-        return not (self._prepared or self.saves or self._future is not None)
+        return not (self._prepared or self._staging or self._future is not None)
 
     def prepare(self, state: NamedState) -> None:
         """Make the copies that the first save's snapshot of ``state`` will need, on the worker thread, while
