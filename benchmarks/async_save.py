@@ -16,7 +16,10 @@ the other order, ``--rounds`` times), and once without saves. Measured on rank 0
   it includes the background writes' competition with training for the CPU, memory bandwidth and the
   interpreter's lock, and a save's wait for the previous one;
 * **end wait**: the time from the end of the last batch to the end of ``fit`` less the run without saves' (the
-  asynchronous save's wait for its last commit, once per ``fit``; 0 for the synchronous save).
+  asynchronous save's wait for its last commit, once per ``fit``; 0 for the synchronous save);
+* **call CPU** (printed per round): the CPU time of rank 0's process (every thread) during each call, which does
+  not depend on the machine's load as wall times do: for the asynchronous save, the snapshot (and any work of the
+  worker thread meanwhile, such as the previous save's write where the call waits for it).
 
 It also prints the checkpoint's bytes per rank and the snapshot's peak bytes per rank. On a machine with as many
 cores as ranks (each rank trains on one thread), the background write takes its CPU time from training; with
@@ -63,6 +66,7 @@ class SaveEvery(pl.Callback):
 
     def __init__(self, every: int, directory: Path) -> None:
         self.every, self.directory, self.calls_s = every, directory, []
+        self.calls_cpu_s: list[float] = []  # CPU time of the process during each call (see --help)
         self.started = self.last_batch_end = 0.0
 
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -70,9 +74,10 @@ class SaveEvery(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.every and trainer.global_step % self.every == 0:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             trainer.save_checkpoint(self.directory / f"step{trainer.global_step}")
             self.calls_s.append(time.perf_counter() - start)
+            self.calls_cpu_s.append(time.process_time() - cpu)
         self.last_batch_end = time.perf_counter()
 
 
@@ -104,6 +109,7 @@ def fit(rank: int, world_size: int, args: argparse.Namespace, mode: str) -> dict
             "loop_s": saver.last_batch_end - saver.started,
             "end_s": ended - saver.last_batch_end,
             "calls_s": saver.calls_s,
+            "calls_cpu_s": saver.calls_cpu_s,
             "rank_file_bytes": saved[0].stat().st_size if saved else 0,
             "snapshot_bytes": trainer.strategy.session.background.peak_snapshot_bytes,
         }
@@ -129,8 +135,10 @@ def main(argv: list[str] | None = None) -> None:
             result = run_on_ranks(fit, args.ranks, args, mode, timeout_s=1800)[0]
             runs[mode].append(result)
             calls = [round(c, 3) for c in result["calls_s"]]
+            cpu = [round(c, 3) for c in result["calls_cpu_s"]]
             loop, end = result["loop_s"], result["end_s"]
             print(f"round {index} {mode}: fit {result['fit_s']:.2f} s (loop {loop:.2f}, end {end:.2f}), calls {calls}")
+            print(f"  CPU s of rank 0's process during each call: {cpu}")
     base = statistics.median(r["loop_s"] for r in runs["none"])
     base_end = statistics.median(r["end_s"] for r in runs["none"])
     table = ["| save | call s (median, min-max) | stall s per save | end wait s | file MiB per rank | snapshot MiB |"]

@@ -331,6 +331,12 @@ class ZeroSession:
         for optimizer, state in zip(managed, checkpoint["optimizer_states"], strict=True):
             engine.load_full_optimizer_state_dict(optimizer, state)
 
+    def prepare_background_saves(self) -> None:
+        """Make the copies of the first asynchronous save's snapshot ahead, on its worker thread (local; once a fit,
+        before its first save; call it once the optimizer state exists): see [Note: asynchronous sharded saves]."""
+        if self.sharded_checkpoints and self.background.unprepared:
+            self.background.prepare(self.engine.named_state())
+
     def save_sharded(
         self, checkpoint: Mapping[str, Any], filepath: str | os.PathLike, precision: str, background: bool = False
     ) -> None:

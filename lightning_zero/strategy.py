@@ -214,6 +214,9 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         # A background save's outcome, taken at the same step on every rank (collective while one is in flight).
         if self.session.comm is not None:
             self.session.background.poll(self.session.comm)
+            # The first asynchronous save's copies, made ahead once the optimizer state exists (after a step).
+            if isinstance(self.checkpoint_io, AsyncCheckpointIO) and self.lightning_module.trainer.global_step:
+                self.session.prepare_background_saves()
         super().on_train_batch_start(batch, batch_idx)
 
     @override

@@ -14,8 +14,12 @@ With Lightning's ``AsyncCheckpointIO`` plugin a sharded save is split in two (se
 
 One save is in flight at a time: a new save first waits for the previous one to commit, so at most one snapshot
 (the rank's share of the model states) is held. Its copies are kept after the write and refilled by the next save
-(a copy into memory already mapped costs a third of a clone's time), so from the first asynchronous save to the
-end of ``fit`` a rank holds one copy of its files' tensors in host memory (``snapshot_bytes``). A checkpoint
+(a copy into memory already mapped costs a third of a clone's time), so a rank holds one copy of its files'
+tensors in host memory (``snapshot_bytes``) to the end of ``fit``. They are made ahead of the first save
+(:meth:`BackgroundSaves.prepare`, at the start of the first training step after an optimizer step, once the
+optimizer state exists): the worker thread allocates them and touches every page, so the first save's step waits
+for a refill as every later one does, not for the allocation and the page faults (1.1-2.7 s for 1.1 GiB on a
+shared CPU host). A save that comes first allocates what it lacks itself. A checkpoint
 removed while a save is in flight (``ModelCheckpoint(save_top_k=k)`` deleting the oldest) is removed only after
 that save committed, so a crash at any moment leaves the last committed checkpoint. The training thread learns
 the outcome at agreed points only:
@@ -35,7 +39,7 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_zero.checkpoint.saving import PendingSave, begin_save, finish_save, remove_sharded
+from lightning_zero.checkpoint.saving import PendingSave, begin_save, finish_save, remove_sharded, snapshot_copies
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.named_state import NamedState
 
@@ -49,11 +53,14 @@ class BackgroundSaves:
         self._future: Future[None] | None = None
         self._pending: PendingSave | None = None
         self._removals: list[Path] = []
-        self._staging: list[torch.Tensor] = []  # the last snapshot's copies, refilled by the next
+        self._staging: list[torch.Tensor] = []  # the last snapshot's copies (or those made ahead), refilled by the next
+        self._preparing: Future[list[torch.Tensor]] | None = None  # copies being made ahead of the first save
+        self._prepared = False  # prepare() ran this fit (once is enough)
         self._committed = False  # the save in flight committed (its removals are done or made by the caller)
         self._lock = threading.Lock()
         self.saves = 0  # started
         self.peak_snapshot_bytes = 0  # the largest snapshot held, this rank
+        self.allocated_in_saves = 0  # bytes of snapshot copies that saves had to allocate (none made ahead fit)
 
     def __reduce__(self) -> tuple[type[BackgroundSaves], tuple[()]]:
         """A copy in another process (a strategy pickled for ``start_method="spawn"``) starts with no save."""
@@ -73,9 +80,9 @@ class BackgroundSaves:
         """Snapshot ``state`` for a save to ``path`` and finish it in the background (collective). Waits first for
         a save in flight (and raises its error)."""
         self.wait()
+        self._take_prepared(wait=True)
         if self._comm is None:  # collective: every rank makes its first asynchronous save here
             self._comm = state.world.split([list(state.world.ranks)], "checkpoint")
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-zero-save")
         extra = _copied(extra)
         with state.saving():  # state resting in the swap file is read from maps of it
             pending = begin_save(state, path, extra, snapshot=True, staging=self._staging, **options)
@@ -83,9 +90,44 @@ class BackgroundSaves:
             self._staging = pending.staged
         self.saves += 1
         self.peak_snapshot_bytes = max(self.peak_snapshot_bytes, pending.snapshot_bytes)
-        assert self._executor is not None
+        self.allocated_in_saves += pending.allocated_bytes
         self._pending, self._committed = pending, False
-        self._future = self._executor.submit(self._finish, pending, torch.cuda.current_device() if _cuda() else None)
+        device = torch.cuda.current_device() if _cuda() else None
+        self._future = self._worker().submit(self._finish, pending, device)
+
+    @property
+    def unprepared(self) -> bool:
+        """No copies were made ahead this fit, and no save made them yet (:meth:`prepare` would make them)."""
+        return not (self._prepared or self._staging or self._future is not None)
+
+    def prepare(self, state: NamedState) -> None:
+        """Make the copies that the first save's snapshot of ``state`` will need, on the worker thread, while
+        training goes on (local, no collective; once a fit, and only before its first save): see [Note:
+        asynchronous sharded saves]. Call it once the optimizer state exists (after an optimizer step)."""
+        if not self.unprepared:
+            return
+        self._prepared = True
+        copies = snapshot_copies(state)
+        if copies:
+            self._preparing = self._worker().submit(_allocated, copies)
+
+    def _take_prepared(self, wait: bool) -> None:
+        """Hold the copies made ahead once they are made (``wait``: wait for them); an allocation that failed is
+        left to the save (which raises where memory is short)."""
+        if self._preparing is None or not (wait or self._preparing.done()):
+            return
+        preparing, self._preparing = self._preparing, None
+        try:
+            made = preparing.result()
+        except Exception:  # the save allocates what it lacks, and reports its own error
+            return
+        self._staging = made
+        self.peak_snapshot_bytes = max(self.peak_snapshot_bytes, self.snapshot_bytes)
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-zero-save")
+        return self._executor
 
     def _finish(self, pending: PendingSave, device: int | None) -> None:
         if device is not None:
@@ -112,6 +154,7 @@ class BackgroundSaves:
     def poll(self, world: Communicator) -> None:
         """At a training step's start: take the outcome of the save in flight if it finished on every rank (a
         4-byte all-reduce, only while one is in flight); raises its error on every rank."""
+        self._take_prepared(wait=False)
         if self._future is None:
             return
         done = torch.tensor([int(self._future.done())], dtype=torch.int32)
@@ -134,7 +177,7 @@ class BackgroundSaves:
         try:
             self.wait()
         finally:
-            self._staging = []
+            self._staging, self._preparing, self._prepared = [], None, False
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
@@ -147,3 +190,18 @@ def _cuda() -> bool:
 def _copied(extra: dict[str, Any]) -> dict[str, Any]:
     """``extra`` (Lightning's loops, callbacks, schedulers) with its tensors copied: the save writes it later."""
     return apply_to_collection(extra, torch.Tensor, lambda t: t.detach().clone())
+
+
+def _allocated(copies: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """New host tensors of these shapes and dtypes, every page written once (the faults taken here, not in the
+    step that fills them)."""
+    made = []
+    for shape, dtype in copies:
+        tensor = torch.empty(shape, dtype=dtype)
+        if tensor.numel():
+            tensor.view(-1).view(torch.uint8)[::_PAGE].zero_()
+        made.append(tensor)
+    return made
+
+
+_PAGE = 4096

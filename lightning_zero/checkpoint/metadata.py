@@ -21,7 +21,8 @@ _CHUNK = 8 * 2**20
 
 # [Note: checksums of a sharded checkpoint]
 # Every file a save writes (rank_{r}.pt, lightning.pt) is listed in metadata.json with its size and CRC-32,
-# computed by its writer after the fsync (the file is then in the page cache); metadata.json carries the CRC-32
+# computed by its writer from the CRC-32 that torch.save computed of each record as it wrote it (see [Note: the
+# CRC-32 of a saved file from its zip records] in checksums.py); metadata.json carries the CRC-32
 # of its own other contents. Opening a checkpoint checks the metadata's checksum, that exactly the listed rank
 # files are there, every file's size, and the CRC-32 of every file (the ranks of a run share that work, each
 # reading about 1/N of the checkpoint, and agree on the outcome). A truncated, changed or foreign file fails on

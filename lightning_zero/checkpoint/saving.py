@@ -41,13 +41,13 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_zero.checkpoint import state as named
+from lightning_zero.checkpoint.checksums import saved_file_digest
 from lightning_zero.checkpoint.metadata import (
     COMPLETE_FILE,
     LIGHTNING_FILE,
     METADATA_FILE,
     CheckpointError,
     build_metadata,
-    file_digest,
     rank_file,
     write_metadata,
 )
@@ -70,6 +70,7 @@ class PendingSave:
     metadata: dict[str, Any] | None = None  # rank 0: build_metadata's arguments but the files
     failure: str | None = None
     snapshot_bytes: int = 0  # bytes of the copies this save made or refilled
+    allocated_bytes: int = 0  # of those, the bytes of copies this save made (not refilled)
     staged: list[Tensor] = field(default_factory=list)  # those copies, in the order of the files' tensors
 
     def release(self) -> None:
@@ -106,15 +107,17 @@ def begin_save(
     """The part of a save that reads the training state (collective: the ranks agree on a name for the new
     directory). With ``snapshot`` what the files will hold is copied, so that :func:`finish_save` may run while
     training goes on: see [Note: asynchronous sharded saves]. ``staging``: a previous snapshot's copies
-    (``PendingSave.staged``), refilled where they have the shapes of this one's."""
+    (``PendingSave.staged``) or copies made ahead (:func:`snapshot_copies`), refilled where they have the shape and
+    dtype of one of this one's tensors."""
     comm, shard = state.world, state.comm  # every rank agrees; the shard group's ranks write (one replica)
     path = Path(path)
     token = comm.all_gather_object(uuid.uuid4().hex[:12] if comm.rank == 0 else None)[0]
     pending = PendingSave(path, path.with_name(f"{path.name}.tmp-{token}"), token)
     try:
         pending.tmp.mkdir(parents=True, exist_ok=True)
-        if state.writes:
-            rank_state = named.collect_rank_state(state, shard.rank, optimizers)
+        if state.writes:  # a snapshot copies the live state once, into its own copies (a swap file's: see below)
+            views = snapshot and not state.rests_on_disk
+            rank_state = named.collect_rank_state(state, shard.rank, optimizers, views=views)
             pending.files[rank_file(shard.rank)] = {"rank": shard.rank, "world_size": shard.world_size, **rank_state}
             del rank_state
         if comm.rank == 0:
@@ -140,9 +143,10 @@ def begin_save(
 
 def _snapshot(pending: PendingSave, rests_on_disk: bool, staging: list[Tensor]) -> None:
     """Make ``pending`` independent of the training state: state that rests in the swap file is written now (into
-    the page cache: the file is flushed to the disk later), the rest copied into memory: into ``staging``, a
-    previous snapshot's copies, where they match (a copy into memory already mapped costs a third of a clone's
-    time, measured on 1 GiB: 0.10 s against 0.29 s), else into new tensors."""
+    the page cache: the file is flushed to the disk later), the rest copied into host memory: into ``staging``,
+    earlier copies, where one has a tensor's shape and dtype (a copy into memory already mapped costs a third of a
+    clone's time, measured on 1 GiB: 0.10 s against 0.29 s), else into new tensors. The rank files' tensors are
+    views of the live state here (on the device where it is): each is copied once, straight into host memory."""
     if rests_on_disk:
         for name, contents in list(pending.files.items()):
             pending.digests[name] = _write(pending.tmp / name, contents, sync=False)
@@ -150,16 +154,21 @@ def _snapshot(pending: PendingSave, rests_on_disk: bool, staging: list[Tensor]) 
         return
     # The rank files are refilled; Lightning's state (rank 0's) is small and gains tensors between saves.
     shards = {name: contents for name, contents in pending.files.items() if name != LIGHTNING_FILE}
-    live = _tensors(shards)
-    fits = len(staging) == len(live) and all(_same_spec(a, b) for a, b in zip(staging, live, strict=True))
-    refill = iter(staging if fits else [])
+    free: dict[tuple[tuple[int, ...], torch.dtype], list[Tensor]] = {}
+    for copy in reversed(staging):  # taken from the end: in the order of the earlier snapshot's tensors
+        free.setdefault(_key(copy), []).append(copy)
 
     def copy(tensor: Tensor) -> Tensor:
-        target = next(refill, None)
-        return tensor.detach().clone() if target is None else target.copy_(tensor.detach())
+        taken = free.get(_key(tensor))
+        if taken:
+            target = taken.pop()
+        else:
+            target = torch.empty(tensor.shape, dtype=tensor.dtype)
+            pending.allocated_bytes += target.untyped_storage().nbytes()
+        return target.copy_(tensor.detach())
 
     shards = apply_to_collection(shards, Tensor, copy)
-    pending.staged = _tensors(shards)
+    pending.staged = _tensors(shards)  # the copies left unused in ``free`` are released with it
     if LIGHTNING_FILE in pending.files:
         shards[LIGHTNING_FILE] = apply_to_collection(pending.files[LIGHTNING_FILE], Tensor, _clone)
     pending.files = shards
@@ -170,12 +179,21 @@ def _snapshot(pending: PendingSave, rests_on_disk: bool, staging: list[Tensor]) 
             pending.snapshot_bytes += tensor.untyped_storage().nbytes()
 
 
+def snapshot_copies(state: NamedState) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of every copy that a snapshot of this rank's file, with optimizer state, would hold now
+    (none where the rank writes no file, or where its state rests in the swap file: such a snapshot is written
+    into the page cache). Local: no collective."""
+    if not state.writes or state.rests_on_disk:
+        return []
+    return [_key(tensor) for tensor in _tensors(named.collect_rank_state(state, state.comm.rank, views=True))]
+
+
+def _key(tensor: Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    return tuple(tensor.shape), tensor.dtype
+
+
 def _clone(tensor: Tensor) -> Tensor:
     return tensor.detach().clone()
-
-
-def _same_spec(a: Tensor, b: Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 def _tensors(obj: Any) -> list[Tensor]:
@@ -219,11 +237,13 @@ def finish_save(pending: PendingSave, comm: Communicator) -> None:
 
 def _write(file: Path, obj: Any, sync: bool = True) -> dict[str, int]:
     """``torch.save`` ``obj`` to ``file`` and (with ``sync``) flush it to the disk; returns its size and CRC-32 (see
-    [Note: checksums of a sharded checkpoint])."""
+    [Note: checksums of a sharded checkpoint]), from the CRC-32 that torch.save computed of its records as it wrote
+    them: the data is not read back (see [Note: the CRC-32 of a saved file from its zip records])."""
     torch.save(obj, file)
+    digest = saved_file_digest(file)
     if sync:
         _sync(file)
-    return file_digest(file)
+    return digest
 
 
 def _agree(failures_by_rank: list[str | None], what: str, path: Path, remove: Path | None, comm: Communicator) -> None:

@@ -40,9 +40,12 @@ def _spec(shape: tuple[int, ...], dtype: torch.dtype, ranges: list[list[int]]) -
     return {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "ranges": ranges}
 
 
-def collect_rank_state(state: NamedState, rank: int, optimizers: bool = True) -> dict[str, Any]:
+def collect_rank_state(state: NamedState, rank: int, optimizers: bool = True, views: bool = False) -> dict[str, Any]:
     """This rank's owned ranges of every parameter and (with ``optimizers``) of its optimizer state, as CPU tensors
-    to save (see :func:`for_saving`: no copy of a storage they cover, such as a host master or a stage-3 shard)."""
+    to save (see :func:`for_saving`: no copy of a storage they cover, such as a host master or a stage-3 shard);
+    with ``views``, as views of the live state wherever it is (for a snapshot, which copies each into memory of
+    its own)."""
+    prepare = _as_they_are if views else for_saving
     params = {t.name: t.owned() for t in state.tensors() if t.end > t.start}
     if rank == 0:
         params.update({name: t.reshape(-1) for name, t in state.unmanaged().items()})
@@ -50,11 +53,15 @@ def collect_rank_state(state: NamedState, rank: int, optimizers: bool = True) ->
     for index in range(len(state.optimizer_param_names()) if optimizers else 0):
         held = state.optimizer_shard_state(index)
         tensors = {(name, k): v for name, values in held.items() for k, v in values.items() if isinstance(v, Tensor)}
-        kept = for_saving(tensors)
+        kept = prepare(tensors)
         saved = {name: {k: kept.get((name, k), v) for k, v in values.items()} for name, values in held.items()}
         hyper = state.optimizer_hyperparameters(index)
         optimizer_states.append({"state": saved, "param_groups": hyper, "whole": state.whole_state_keys(index)})
-    return {"params": for_saving(params), "optimizers": optimizer_states}
+    return {"params": prepare(params), "optimizers": optimizer_states}
+
+
+def _as_they_are(tensors: dict[Any, Tensor]) -> dict[Any, Tensor]:
+    return {key: tensor.detach() for key, tensor in tensors.items()}
 
 
 # Bytes of a storage that its saved views may leave out and still be saved as views: a flat buffer's padding (at

@@ -187,6 +187,17 @@ def test_save_replaces_the_old_checkpoint_and_leaves_no_temporaries(results: dic
     assert all(r["note"] == "second" for r in results["per_rank"])
 
 
+def test_the_listed_checksums_are_those_of_the_files(results: dict[str, Any]) -> None:
+    """Each writer lists its file's CRC-32 from torch.save's records (not read back): it is the file's."""
+    from lightning_zero.checkpoint.metadata import file_digest
+
+    for name in ("small", "small_stage1", "big"):
+        listed = json.loads((results["dir"] / name / "metadata.json").read_text())["files"]
+        assert sorted(listed) == ["lightning.pt", "rank_0.pt", "rank_1.pt", "rank_2.pt"]
+        for file, digest in listed.items():
+            assert file_digest(results["dir"] / name / file) == digest, f"{name}/{file}"
+
+
 @pytest.mark.parametrize("loaded", ["stage1", "stage2", "stage3", "stage1-to-stage3"])
 def test_stage3_checkpoint_loads_exactly_at_every_stage(results: dict[str, Any], loaded: str) -> None:
     for rank, result in enumerate(results["per_rank"]):

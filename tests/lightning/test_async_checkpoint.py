@@ -123,7 +123,7 @@ def killed_job(rank: int, world_size: int, directory: str) -> None:
 def _cases(rank: int, world_size: int, root: str, killed: str) -> dict[str, Any]:
     root_dir = Path(root)
     out: dict[str, Any] = {"final": {}, "plain": {}, "kept": {}, "resumed": {}, "snapshot": {}, "logged_snapshot": {}}
-    out["staging"] = {}
+    out["staging"], out["allocated"] = {}, {}
     for name, config in CONFIGS.items():
         directory = root_dir / name
         original, saving._write = saving._write, _slow_writes(0.1)  # type: ignore[assignment]
@@ -134,6 +134,7 @@ def _cases(rank: int, world_size: int, root: str, killed: str) -> dict[str, Any]
             saving._write = original  # type: ignore[assignment]
         out["staging"][name] = staging.seen
         out["snapshot"][name] = trainer.strategy.session.background.peak_snapshot_bytes
+        out["allocated"][name] = trainer.strategy.session.background.allocated_in_saves
         out["logged_snapshot"][name] = trainer.callback_metrics["zero/checkpoint_snapshot_bytes"].item()
         out["kept"][name] = sorted(p.name for p in directory.iterdir() if p.name != "swap")
         for kept in out["kept"][name]:
@@ -200,8 +201,10 @@ def test_kept_checkpoints_are_complete_and_resume_bit_equal(runs: dict[str, Any]
             assert torch.equal(state[key], tensor), f"{name}: {key} differs after resuming"
     assert rank0["snapshot"][name] > 0 if name != "stage2_nvme" else rank0["snapshot"][name] == 0
     assert rank0["logged_snapshot"][name] == rank0["snapshot"][name]  # what ZeroMonitor logs
-    # Every save after the first refilled the first one's copies (nvme: written to the page cache, no copies).
+    # Every save refilled the copies made ahead at step 2's start (nvme: written to the page cache, no copies): no
+    # save allocated any in its step.
     assert len(rank0["staging"][name]) == (1 if name != "stage2_nvme" else 0), rank0["staging"][name]
+    assert rank0["allocated"][name] == 0
 
 
 def test_saving_in_the_background_leaves_training_unchanged(runs: dict[str, Any]) -> None:

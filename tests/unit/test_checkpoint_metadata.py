@@ -134,3 +134,50 @@ def test_without_strict_only_the_tensors_in_both_are_loaded_and_shapes_still_che
     assert check_same_model(metadata, shrunk, "ckpt", strict=False) == ["a.weight"]
     with pytest.raises(CheckpointError, match=r"tensor 'a.bias' has shape \[4\] there, \[5\] here"):
         check_same_model(metadata, {**same, "a.bias": {"shape": [5], "dtype": "float32"}}, "ckpt", strict=False)
+
+
+def test_crc32_combine_is_the_crc_of_the_concatenation() -> None:
+    import random
+    import zlib
+
+    from lightning_zero.checkpoint.checksums import crc32_combine
+
+    rng = random.Random(0)
+    for _ in range(50):
+        first, second = rng.randbytes(rng.randrange(0, 300)), rng.randbytes(rng.choice([0, 1, 5, 4096, 70001]))
+        assert crc32_combine(zlib.crc32(first), zlib.crc32(second), len(second)) == zlib.crc32(first + second)
+
+
+@pytest.mark.parametrize("torch_crc", [True, False])
+def test_the_digest_of_a_saved_file_from_its_records_is_the_files(tmp_path: Path, torch_crc: bool) -> None:
+    """The CRC-32 that a save lists, from torch.save's records, is the file's (read whole); where torch.save did not
+    compute its records' CRC-32 the file is read back."""
+    import torch
+
+    from lightning_zero.checkpoint import checksums
+    from lightning_zero.checkpoint.metadata import file_digest
+
+    objects = {
+        "mixed": {
+            "a": torch.randn(70000),
+            "empty": torch.zeros(0),
+            "half": torch.ones(3, dtype=torch.bfloat16),
+            "n": 5,
+        },
+        "many": {f"t{i}": torch.randn(i * 9000 + 1) for i in range(30)},
+        "view": [torch.arange(40000).view(200, 200)[:, :50], torch.tensor(3.0)],
+    }
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(torch_crc)
+    try:
+        for name, obj in objects.items():
+            torch.save(obj, tmp_path / f"{name}.pt")
+    finally:
+        torch.serialization.set_crc32_options(previous)
+    for name in objects:
+        file = tmp_path / f"{name}.pt"
+        assert checksums.saved_file_digest(file) == file_digest(file), name
+        from_records = checksums._from_records(file)
+        assert (from_records == file_digest(file)) if torch_crc else from_records is None, name
+    (tmp_path / "junk.pt").write_bytes(b"not a zip archive" * 100)
+    assert checksums.saved_file_digest(tmp_path / "junk.pt") == file_digest(tmp_path / "junk.pt")
