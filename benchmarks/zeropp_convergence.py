@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from zero_bench.hybrid import (  # importing zero_bench puts the root on sys.pat
 from zero_bench.measure import batch_stream, model_config
 from zero_bench.systems import lm_loss
 
-from examples.gpt import DEFAULT_DATA, count_params
+from examples.gpt import DEFAULT_DATA, count_params, warmup_cosine
 from tests.helpers import run_on_ranks
 
 NODES, PER_NODE = 2, 2
@@ -50,6 +51,10 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
         system = build_hybrid_system(name, cfg, args)
         batches = batch_stream(args, rank)
         losses = []
+        schedule = None
+        if args.warmup:  # the example's: linear warmup, then cosine decay to 0.1 of the lr at the last step
+            lr_lambda = partial(warmup_cosine, warmup=args.warmup, total=args.steps)
+            schedule = torch.optim.lr_scheduler.LambdaLR(system.optimizer, lr_lambda)
         for _ in range(args.steps):
             x, y = next(batches)
             system.engine.begin_iteration()
@@ -59,6 +64,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
             system.engine.finish_backward()
             system.engine.step_of(system.optimizer).prepare()
             system.optimizer.step()
+            if schedule is not None:
+                schedule.step()
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / world_size)
@@ -100,6 +107,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="steps of linear warmup, then cosine decay to 0.1 x lr at the last step, as examples/gpt.py trains "
+        "(its defaults: --warmup 10 --lr 3e-3); 0: a constant lr",
+    )
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--bucket-cap-mb", type=float, default=25)
     parser.add_argument("--data", default=str(DEFAULT_DATA))

@@ -42,7 +42,7 @@ from lightning.fabric import Fabric  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from examples.gpt import GPT, ByteDataModule, GPTConfig, _warmup_cosine  # noqa: E402
+from examples.gpt import GPT, ByteDataModule, GPTConfig, warmup_cosine  # noqa: E402
 from lightning_zero import ZeroFabricPrecision, ZeroFabricStrategy  # noqa: E402
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     model = fabric.setup_module(model)
     optimizer = torch.optim.AdamW(optimizer_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
     optimizer = fabric.setup_optimizers(optimizer)
-    schedule = partial(_warmup_cosine, warmup=max(1, args.warmup_steps), total=args.steps)
+    schedule = partial(warmup_cosine, warmup=max(1, args.warmup_steps), total=args.steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
     data = ByteDataModule(args.data_path, block_size=args.block_size, batch_size=args.batch_size, seed=args.seed)

@@ -194,7 +194,7 @@ def gpt_config_for_params(target_params: int, vocab_size: int = 256, block_size:
 # ----------------------------------------------------------------------------- lightning module
 
 
-def _warmup_cosine(step: int, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float = 0.1) -> float:
     """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at ``total`` steps."""
     if step < warmup:
         return (step + 1) / warmup
@@ -310,7 +310,7 @@ class GPTLightningModule(LightningModule):
         hp = self.hparams
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1000
         total = int(total) if math.isfinite(total) else 1000
-        lr_lambda = partial(_warmup_cosine, warmup=max(1, hp.warmup_steps), total=total)
+        lr_lambda = partial(warmup_cosine, warmup=max(1, hp.warmup_steps), total=total)
         if hp.get("optimizer", "adamw") == "muon":
             return self._muon_and_adamw(params, lr_lambda)
         optimizer = torch.optim.AdamW(
