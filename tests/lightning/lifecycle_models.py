@@ -358,6 +358,12 @@ class ProbeBetweenSteps(TiedLM):
         with full_params(self.trainer):
             self.record["gathered"] = value_probes(self, name)
             self.record["state"] = state_of(self)
+            with torch.no_grad():  # a forward inside the block (an evaluation, a generation)
+                self(torch.randint(0, self.VOCAB, (2, 5), generator=torch.Generator().manual_seed(3)))
+            try:
+                self.record["after_forward"] = state_of(self)
+            except RuntimeError as error:
+                self.record["after_forward"] = f"raised: {error}"
 
 
 class RecordBeforeTrainEnd(pl.Callback):

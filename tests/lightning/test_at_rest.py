@@ -74,6 +74,10 @@ def _run_case(world_size: int, case: dict[str, Any]) -> dict[str, Any]:
         record["state"] = state_of(module)
         with torch.no_grad():  # outside autocast: the input in the parameters' dtype
             record["output"] = module(INPUT.to(module.a.weight.dtype))
+        try:  # a forward inside the block leaves the module gathered
+            record["after_forward"] = state_of(module)
+        except RuntimeError as error:
+            record["after_forward"] = f"raised: {error}"
     return record
 
 
@@ -175,6 +179,22 @@ def test_stage3_gathered_params_gives_the_full_values(outcomes: dict, when: str,
     for rank, (record, reference) in enumerate(zip(outcomes[(when, 3, precision)], references, strict=True)):
         _assert_close(reference, record["state"], f"rank {rank}: state_dict in gathered_params")
         _assert_values(record["gathered"], reference, name, f"rank {rank}, in gathered_params")
+
+
+@pytest.mark.parametrize("when", WHEN)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_forward_inside_gathered_params_keeps_the_values(
+    outcomes: dict, when: str, precision: str, strategy: Any
+) -> None:
+    """Running the module inside gathered_params (an evaluation, a generation) does not free its units: the values
+    are still there to read after it (stage 3 used to free each unit at the end of its forward, so a read after
+    the forward raised the at-rest error, inside the block that should prevent it)."""
+    if strategy == "ddp" and precision != "32-true":
+        return
+    for rank, record in enumerate(outcomes[(when, strategy, precision)]):
+        assert not isinstance(record["after_forward"], str), f"rank {rank}: {record['after_forward']}"
+        assert max(max_rel_diff(record["state"], record["after_forward"]).values()) == 0.0, f"rank {rank}"
 
 
 @pytest.mark.parametrize("when", WHEN)

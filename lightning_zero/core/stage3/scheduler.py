@@ -187,15 +187,20 @@ class Stage3Scheduler:
 
     @contextmanager
     def gathered(self, write_back: bool = False, stores: Callable[[], Iterable[ShardStore]] = tuple) -> Iterator[None]:
-        """Every unit gathered inside the block (collective). With ``write_back`` changes made to the parameters
-        inside (e.g. ``load_state_dict``) are kept: written into the shards and the ``stores``' copies."""
+        """Every unit gathered inside the block (collective), and held there: a forward (or backward) run inside
+        frees none of them. With ``write_back`` changes made to the parameters inside (e.g. ``load_state_dict``)
+        are kept: written into the shards and the ``stores``' copies."""
         for unit in self.units:
             self._start(unit, exact=True)
         for unit in self.units:
             unit.wait()
+        for unit in self.units:
+            unit.held += 1
         try:
             yield
         finally:
+            for unit in self.units:
+                unit.held -= 1
             buffers = [buffer for unit in self.units for buffer in unit.buffers]
             for buffer in buffers:  # a parameter given new data inside: kept with write_back, else undone
                 buffer.reattach() if write_back else buffer.restore_param_views()

@@ -217,6 +217,7 @@ class GatherUnit:
         # With secondary_shard_size: the slices kept from forward to backward (see [Note: secondary shards]).
         self.secondary: SecondaryShards | None = None
         self._from_secondary = False  # the pending gathers read the secondary slices: drop them once complete
+        self.held = 0  # gathered() blocks holding the unit in full: reshard() frees nothing until the last ends
 
     def register_hooks(self, pre_forward: Callable[..., Any], post_forward: Callable[..., Any]) -> None:
         """Call the scheduler around the module's forward (again, after :meth:`remove_hooks`)."""
@@ -320,6 +321,8 @@ class GatherUnit:
                 buffer.write_back()
 
     def reshard(self) -> None:
+        if self.held:  # inside gathered(): a forward or backward run there leaves the unit full
+            return
         self.wait()  # never free a buffer that a gather still writes into
         for buffer in self.buffers:
             buffer.reshard()
