@@ -203,7 +203,7 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
         "--quantize-gradients",
         action="store_true",
         help="ZeRO++ qgZ: gradients cross nodes in int8 with error feedback, whose fp32 residuals stages 1-3 count "
-        "(needs --num-nodes above 1)",
+        "(with --num-nodes above 1; on one node it changes nothing)",
     )
     estimate.add_argument(
         "--num-nodes",

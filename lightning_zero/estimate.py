@@ -28,6 +28,8 @@ partials of its slice, with it its shard:
 
     gradients       += 4 * Ψ * (M - 1) / N      (4 * Ψ / N with shard_size)
 
+They stay on the device whatever the offloads (the reduction runs there).
+
 It counts every parameter as held by a unit: the root unit's (gathered in full from forward to backward, not
 counted here, as no gathered buffer is) and those of units whose outputs need no gradient keep no slice, so for
 them it is an upper bound.
@@ -208,14 +210,15 @@ def estimate_memory(
         offloaded, optimizer_states = offloaded + optimizer_states, 0
     if offload_params:
         offloaded, params = offloaded + params, 0
-    if quantize_gradients and stage >= 1:
-        gradients += _feedback_residuals(trainable, world_size, group, num_nodes)
     if secondary_shard_size is not None:  # the slices of every unit at the end of forward, on the device
         params += _per_rank(widths.param * trainable + widths.frozen * frozen, secondary_shard_size)
     if offload_optimizer == "nvme" and offload_params == "nvme":  # ZeRO-Infinity: the gradient shard rests there too
         offloaded, gradients = offloaded + gradients, 0
         if accumulating > 1:  # and, accumulating, each reduction's fp32 result until it is folded in
             offloaded += sharded(REDUCE_BYTES, 2)
+    if quantize_gradients:  # on the device whatever the offloads (see [Note: estimate formulas])
+        residuals = _feedback_residuals(trainable, world_size, group, num_nodes, partition)
+        gradients += residuals if stage >= 1 else 0
     return MemoryEstimate(
         params=params,
         gradients=gradients,
@@ -248,9 +251,14 @@ def _owned(model: nn.Module, stage: int, world_size: int, partition: str) -> tup
     return max(loads), min(loads)
 
 
-def _feedback_residuals(trainable: int, world_size: int, group: int, num_nodes: int) -> int:
+def _feedback_residuals(trainable: int, world_size: int, group: int, num_nodes: int, partition: str) -> int:
     """``quantize_gradients``: bytes of error feedback's fp32 residuals per rank, those of the rows it sends across
     ``num_nodes`` nodes (see [Note: estimate formulas]); 0 on one node."""
+    if partition != "flat":
+        raise ValueError(
+            f"quantize_gradients=True needs partition='flat' (got {partition!r}), as ZeroStrategy does: its uneven "
+            "parts are not split by the hierarchical reduction."
+        )
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1 or world_size % num_nodes:
         raise ValueError(
             f"num_nodes={num_nodes!r} must be a positive int dividing world_size={world_size} (every node runs as "

@@ -117,6 +117,8 @@ class ShardedModel:
                 del full
         for group in self.trained:
             group.store.close()  # type: ignore[union-attr]
+        for bucket in self.buckets:
+            bucket.drop_feedback()
         self.offload.close()
         self.scheduler.remove_hooks()  # the units' forward hooks go with the engine
         self.scheduler = NoScheduler()

@@ -93,6 +93,7 @@ def _train(
     report = engine.memory_report()
     engine.release()
     return {
+        "residuals_after_release": sum(bucket.feedback_nbytes for bucket in engine.model.buckets),
         "gradients": report.gradients,
         "peak_buckets": report.step_peak.buckets,
         "start": start,
@@ -338,6 +339,7 @@ def test_memory_report_and_estimate_count_the_residuals(two_nodes: list[dict[str
         assert estimated == rows * -(-4 * trainable // (WORLD_SIZE if shard_size is None else shard_size))
         for rank, out in enumerate(two_nodes):
             plain, quantized = out[f"plain{suffix}/{stage}"], out[f"quantized{suffix}/{stage}"]
+            assert quantized["residuals_after_release"] == 0, (layout, rank)  # release drops them
             held = quantized["gradients"] - plain["gradients"]
             assert held == rows * 4 * sum(quantized["shards"]), (layout, rank)
             assert abs(held - estimated) <= rows * 4 * len(quantized["shards"]), (layout, rank)  # padding
@@ -349,11 +351,21 @@ def test_memory_report_and_estimate_count_the_residuals(two_nodes: list[dict[str
                 assert quantized["peak_buckets"] > plain["peak_buckets"], (layout, rank)
 
 
-def test_estimate_checks_num_nodes() -> None:
-    with pytest.raises(ValueError, match="num_nodes=3 must be a positive int dividing world_size=4"):
-        estimate_memory(TinyLM(), stage=2, world_size=4, quantize_gradients=True, num_nodes=3)
+def test_estimate_checks_num_nodes_and_keeps_the_residuals_on_the_device() -> None:
+    for stage in (0, 2):  # checked at every stage, stage 0 (DDP) included
+        with pytest.raises(ValueError, match="num_nodes=3 must be a positive int dividing world_size=4"):
+            estimate_memory(TinyLM(), stage=stage, world_size=4, quantize_gradients=True, num_nodes=3)
+    with pytest.raises(ValueError, match="quantize_gradients=True needs partition='flat'"):
+        estimate_memory(TinyLM(), stage=2, world_size=4, quantize_gradients=True, num_nodes=2, partition="parameter")
     one = estimate_memory(TinyLM(), stage=2, world_size=4, quantize_gradients=True, num_nodes=1)
     assert one == estimate_memory(TinyLM(), stage=2, world_size=4)
+    trainable = sum(p.numel() for p in TinyLM().parameters())
+    nvme = {"offload_optimizer": "nvme", "offload_params": "nvme", "stage": 3, "world_size": 4, "precision": "32-true"}
+    plain = estimate_memory(TinyLM(), **nvme)  # type: ignore[arg-type]
+    quantized = estimate_memory(TinyLM(), quantize_gradients=True, num_nodes=2, **nvme)  # type: ignore[arg-type]
+    assert plain.gradients == 0  # the gradient shard rests in the swap file, the residuals stay on the device
+    assert quantized.gradients == -(-4 * trainable // 4)
+    assert quantized.offloaded == plain.offloaded
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -171,6 +171,11 @@ class GradBucket(ABC):
             self._quantized = QuantizedSlices(self.buffer.block_plans(GRADIENT_BLOCK, exact_vectors=False))
         return self._quantized
 
+    def drop_feedback(self) -> None:
+        """Forget error feedback's residuals (the engine is released)."""
+        if self._quantized is not None:
+            self._quantized.residual = None
+
     @property
     def feedback_nbytes(self) -> int:
         """Bytes of error feedback's residuals (``quantize_gradients`` across nodes; see [Note: error feedback])."""

@@ -44,10 +44,15 @@ unquantized stage 3 on two data seeds with stochastic rounding; see docs/benchma
 - Memory: the residuals of the rows a rank sends, fp32: flat, the M - 1 partials that leave the node, ``(M - 1) / N``
   of the trained elements; hybrid, the rank's shard, ``1 / shard_size`` of them. Counted in ``memory_report()``'s
   ``gradients`` from the first reduction on, and in ``estimate_memory(quantize_gradients=True, num_nodes=M)``.
-- A residual holding inf or NaN (a partial that overflowed) is set to 0 there, so one skipped fp16 step does not
-  poison the next ones.
+- A block whose residual holds inf or NaN (a partial that overflowed) has it set to 0, so one skipped fp16 step does
+  not poison the next ones. With a dynamic loss scale the residuals are in scaled units: when the scale halves or
+  doubles, what they carry counts twice or half its worth once (at most half a block step per element).
 - Residuals are not saved in checkpoints (they belong to a topology, and what is saved is exact): a resumed run
-  starts them at 0, which differs from the uninterrupted run by at most one rounding per element.
+  starts them at 0, which differs from the uninterrupted run by at most one rounding per element; a checkpoint
+  loaded into a running engine keeps them (the same bound). ``release`` drops them.
+- While its hop across nodes is in flight (until the end of backward) a bucket holds what it sends and receives,
+  ``2 M (S + 4 * scales)`` bytes; the own node's partial waits in the shard's output, so the node partials are
+  freed when the hop starts. The step peak counts them under ``buckets``.
 - The rounding is deterministic: the same run repeats bit for bit.
 """
 
@@ -125,6 +130,7 @@ class QuantizedSlices:
         """The residuals of ``rows`` rows of ``numel`` elements, zeros at first."""
         if self.residual is None:
             self.residual = torch.zeros(rows, numel, dtype=torch.float32, device=device)
+        assert self.residual.shape == (rows, numel), "one bucket's reductions always send the same rows"
         return self.residual
 
 
@@ -181,8 +187,9 @@ class QuantizedReduction:
                 _quantize_with_feedback(rows[row], residual, slices.plans[row * local_size + local], packed[row])
             received = torch.empty_like(packed)
             work = self.cross.all_to_all(received.view(-1), packed.view(-1), "quantized_all_to_all", async_op=True)
-            then = lambda: _sum_rows(received, output, mine, (own, rows[own]))  # noqa: E731
-            return Then(work, then, _nbytes(packed, received, reduced.partial))  # type: ignore[arg-type]
+            output.copy_(rows[own])  # the own node's partial waits in the output: the partials can go now
+            then = lambda: _sum_rows(received, output, mine, (own, output))  # noqa: E731
+            return Then(work, then, _nbytes(packed, received))  # type: ignore[arg-type]
         mine = slices.plans[self.node.rank]  # every replica sends the same slice of the bucket
         packed = torch.zeros(n + 4 * slices.scales, dtype=torch.uint8, device=output.device)
         _quantize_with_feedback(output, slices.residual_rows(1, n, output.device)[0], mine, packed)

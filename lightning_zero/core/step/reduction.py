@@ -47,14 +47,13 @@ class GradientReduction:
         return self.shard.reduce_scatter(output, input, async_op=True, sizes=sizes)  # type: ignore[return-value]
 
     def start_across_replicas(
-        self, shard: Tensor, reduced: Work | NodeReduced, slices: Callable[[], QuantizedSlices] | None = None
+        self, shard: Tensor, reduced: Work | NodeReduced, slices: Callable[[], QuantizedSlices]
     ) -> Work | None:
         """Once the first hop (``reduced``) completed: start summing the reduced ``shard`` (in place) across the
         replicas, or the quantized hop across nodes (``slices()``: the bucket's block plans and residuals, see
         [Note: error feedback]); ``None`` when there is nothing more to do."""
         if self.quantized is not None:
-            state = slices() if slices is not None else QuantizedSlices.uniform(shard.numel(), self.quantized.slices)
-            return self.quantized.across(shard, reduced, state)
+            return self.quantized.across(shard, reduced, slices())
         if self.replicate is None:
             return None
         return self.replicate.all_reduce(shard, async_op=True)
