@@ -37,7 +37,7 @@ def _saved(path: str, note: str, fail_on: int | None, where: str) -> dict[str, A
         real = torch.save
 
         def full_disk(obj: object, file: object, *args: object, **kwargs: object) -> None:
-            if str(file).endswith(f"rank_{rank}.pt"):
+            if str(getattr(file, "name", file)).endswith(f"rank_{rank}.pt"):  # a path, or a file object
                 raise OSError(28, "No space left on device")
             real(obj, file, *args, **kwargs)
 

@@ -331,10 +331,15 @@ real_save = torch.save
 def save_half_then_die(obj, file, *args, **kwargs):
     payload = io.BytesIO()
     real_save(obj, payload, *args, **kwargs)
-    with open(file, "wb") as handle:
-        handle.write(payload.getvalue()[: len(payload.getvalue()) // 2])
-        handle.flush()
-        os.fsync(handle.fileno())
+    half = payload.getvalue()[: len(payload.getvalue()) // 2]
+    if isinstance(file, (str, os.PathLike)):
+        with open(file, "wb") as handle:
+            handle.write(half)
+            handle.flush()
+            os.fsync(handle.fileno())
+    else:  # a file object (the rank files' DirectFile): half of it on the disk
+        file.write(half)
+        file.close()
     os.kill(os.getpid(), signal.SIGKILL)
 
 torch.save = save_half_then_die
