@@ -12,7 +12,8 @@ example's corpus, a fixed stream per rank), fp32 AdamW, ``--steps`` steps each. 
 the 4 ranks' losses. The table gives each system's mean loss over the last ``--tail`` steps and its relative
 difference to plain stage 3's (goal: within 1%); the plot draws the curves (a moving mean of ``--smooth`` steps).
 ``zero3_hybrid`` (hybrid sharding, the same maths summed in another order) shows how far last-bit differences
-alone move the curve: a tiny model on few steps amplifies them.
+alone move the curve: a tiny model on few steps amplifies them. ``zero3_bf16`` (on request: stage 3 computing under
+bf16 autocast, as ``precision="bf16-mixed"`` does) shows how far a rounding that users accept moves it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ NODES, PER_NODE = 2, 2
 # zero3_hybrid does the same maths as zero3 with the gradients summed in another order (inside each node, then
 # across): its distance to zero3 is what last-bit differences alone do to a curve, the scale to read the others by.
 SYSTEMS = ("zero3", "zero3_hybrid", *ZEROPP_SYSTEMS)
+# zero3 computing under bf16 autocast (bf16-mixed: fp32 masters, exact reductions): how far a rounding that users
+# accept moves the curve, a scale for the options' own rounding (on request)
+BF16_REFERENCE = "zero3_bf16"
 
 
 def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -48,7 +52,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
     cfg = model_config(args)
     curves: dict[str, list[float]] = {}
     for name in args.systems:
-        system = build_hybrid_system(name, cfg, args)
+        autocast = name == BF16_REFERENCE
+        system = build_hybrid_system("zero3" if autocast else name, cfg, args)
         batches = batch_stream(args, rank)
         losses = []
         schedule = None
@@ -59,7 +64,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
             x, y = next(batches)
             system.engine.begin_iteration()
             system.optimizer.zero_grad()
-            loss = lm_loss(system.model, x, y)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = lm_loss(system.model, x, y)
             loss.backward()
             system.engine.finish_backward()
             system.engine.step_of(system.optimizer).prepare()
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", default=None, help="PNG of the curves (needs matplotlib)")
     args = parser.parse_args(argv)
     args.systems = [name.strip() for name in args.systems.split(",") if name.strip()]
-    known = (*SYSTEMS, *QG_VARIANTS)  # the variants on request (e.g. zero3_qwqg: all three less the secondary shard)
+    known = (*SYSTEMS, *QG_VARIANTS, BF16_REFERENCE)  # on request: zero3_qwqg (all three less the secondary shard)
     if not args.systems or args.systems[0] != "zero3" or not set(args.systems) <= set(known):
         parser.error(f"--systems: zero3 first, then any of {known[1:]}; got {args.systems}")
     args.shard_size = PER_NODE  # the secondary groups: a node's ranks
