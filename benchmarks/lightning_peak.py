@@ -13,7 +13,10 @@ Systems, each also as ``NAME_bf16`` (``precision="bf16-mixed"``; the raw ones un
 and buffers to bf16, and its autocast names "cuda", so on the CPU it computes on bf16 parameters without autocast);
 ``zero1``-``zero3``: ``ZeroStrategy(stage=s, state_dict_type="full")`` ("full" to read its parameters at the end);
 ``raw_ddp`` (DistributedDataParallel, its defaults) and ``fsdp2`` (``fully_shard`` per block and on the root),
-stepped by a plain loop as in ``zero_bench/systems.py`` (its ``ddp_copy`` and ``fsdp2``).
+stepped by a plain loop as in ``zero_bench/systems.py`` (its ``ddp_copy`` and ``fsdp2``); ``fsdp2_pl``: the same
+``fully_shard`` calls in ``configure_model`` under Lightning's ``ModelParallelStrategy`` (FSDP2 as Lightning users
+run it: the Trainer's loop, which frees the gradients at ``zero_grad`` after the next forward, as for every
+Lightning system here, where the plain loop frees them before it).
 
 All train the same seeded GPT (``--params``, as bench_zero.py) with the same AdamW (``make_adamw``) on the same
 fixed batches (seed + rank), 2 gloo ranks. Each run of a system spawns a fresh pair of processes, so its RSS is its
@@ -49,7 +52,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from torch.distributed.tensor import DTensor
 from zero_bench.launch import on_ranks  # importing zero_bench puts the repository root on sys.path
 from zero_bench.measure import batch_stream, model_config, parameter_gap
 from zero_bench.names import BF16, RSS_VARIANTS, base_system, is_bf16
@@ -59,10 +63,10 @@ from zero_bench.systems import build_system, lm_loss, make_adamw, make_model, te
 from examples.gpt import DEFAULT_DATA, Block, count_params
 from lightning_zero import ZeroStrategy
 
-BASES = ("ddp", "raw_ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3")
+BASES = ("ddp", "raw_ddp", "fsdp", "fsdp2", "fsdp2_pl", "zero1", "zero2", "zero3")
 SYSTEMS = (*BASES, *(f"{base}{BF16}" for base in BASES))
 RAW = {"raw_ddp": "ddp_copy", "fsdp2": "fsdp2"}  # our name -> zero_bench/systems.py's
-MEMORY_REFERENCES = ("ddp", "fsdp2", "fsdp")
+MEMORY_REFERENCES = ("ddp", "fsdp2", "fsdp", "fsdp2_pl")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -175,6 +179,26 @@ class BenchGPT(pl.LightningModule):
         return make_adamw(self.model, self.lr, self.matrices)
 
 
+class ShardedBenchGPT(BenchGPT):
+    """:class:`BenchGPT` sharded by FSDP2 in ``configure_model``, as ``fsdp2`` shards it (per block and the root;
+    bf16-mixed: parameters gathered in bf16, gradients reduced in fp32)."""
+
+    def __init__(self, args: argparse.Namespace, bf16: bool) -> None:
+        super().__init__(args)
+        self.bf16 = bf16
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if self.bf16 else {}
+        policy = MixedPrecisionPolicy(**dtypes)
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(self.model, mesh=mesh, mp_policy=policy)
+        self.matrices = {id(p) for p in self.model.parameters() if p.dim() >= 2}  # fully_shard made new parameters
+
+
 class ProbeHooks(pl.Callback):
     """The Trainer's side of a :class:`Probe`: the steps begin at ``on_train_start``, each is timed from
     ``on_train_batch_start`` to ``on_train_batch_end``, and ``on_train_end`` (before the strategy's teardown)
@@ -224,6 +248,8 @@ def lightning_strategy(name: str) -> pl.strategies.Strategy:
         return DDPStrategy()
     if base == "fsdp":
         return CPUFSDPStrategy(auto_wrap_policy={Block})
+    if base == "fsdp2_pl":
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     return ZeroStrategy(stage=int(base[-1]), state_dict_type="full")
 
 
@@ -232,7 +258,7 @@ def lightning_rank(rank: int, world_size: int, args: argparse.Namespace, name: s
     stream = batch_stream(args, rank)
     batches = [next(stream) for _ in range(args.warmup + args.steps)]
     hooks = ProbeHooks(Probe(), path)
-    module = BenchGPT(args)
+    module = ShardedBenchGPT(args, is_bf16(name)) if base_system(name) == "fsdp2_pl" else BenchGPT(args)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -259,15 +285,22 @@ def model_states(trainer: pl.Trainer) -> dict[str, int]:
     params = list(trainer.lightning_module.parameters())  # FSDP's use_orig_params: views of this rank's shards
     states = [v for optimizer in trainer.optimizers for s in optimizer.state.values() for v in s.values()]
     return {
-        "params": tensor_bytes(params),
-        "gradients": tensor_bytes(p.grad for p in params),
-        "optimizer_states": tensor_bytes(states),
+        "params": tensor_bytes(map(local, params)),
+        "gradients": tensor_bytes(local(p.grad) for p in params),
+        "optimizer_states": tensor_bytes(map(local, states)),
     }
+
+
+def local(tensor: Any) -> Any:
+    """This rank's part of an FSDP2 ``DTensor``; anything else as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def full_state(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
     """The full parameters on rank 0 at least (a collective): ZeRO's masters where it keeps them, FSDP's gathered
     (its full state dict, offloaded to the CPU, crashes there), DDP's own."""
+    if isinstance(trainer.strategy, ModelParallelStrategy):  # every rank gathers each, in the same order
+        return {name: p.full_tensor().detach() for name, p in trainer.lightning_module.named_parameters()}
     if not isinstance(trainer.strategy, FSDPStrategy):
         return trainer.strategy.lightning_module_state_dict()
     from torch.distributed.fsdp import FullyShardedDataParallel

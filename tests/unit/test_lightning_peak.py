@@ -23,7 +23,7 @@ def peak() -> Iterator[ModuleType]:
 def test_options(peak: ModuleType) -> None:
     args = peak.parse_args([])
     assert args.systems == list(peak.SYSTEMS)
-    assert {"fsdp", "zero3_bf16", "raw_ddp_bf16"} <= set(args.systems)
+    assert {"fsdp", "fsdp2_pl", "zero3_bf16", "fsdp2_pl_bf16", "raw_ddp_bf16"} <= set(args.systems)
     assert args.malloc == ["mmap64k"]
     chosen = peak.parse_args(["--systems", "ddp, zero2", "--malloc", "mmap64k,as-is", "--rounds", "2"])
     assert (chosen.systems, chosen.malloc, chosen.rounds) == (["ddp", "zero2"], ["mmap64k", "as-is"], 2)
