@@ -36,6 +36,10 @@ class DirectFile:
 
     def __init__(self, path: Path) -> None:
         self.name = str(path)  # as a file object opened by name has it
+        self._buffer = mmap.mmap(-1, BUFFER_BYTES)  # anonymous: page-aligned; made first, so a failure leaks no file
+        self._view = np.frombuffer(self._buffer, dtype=np.uint8)
+        self._filled = 0
+        self.size = 0
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         direct = getattr(os, "O_DIRECT", 0)  # Linux's; elsewhere the file is buffered
         self.fd = -1
@@ -48,10 +52,6 @@ class DirectFile:
         self.direct = self.fd >= 0
         if not self.direct:
             self.fd = os.open(path, flags, 0o666)
-        self._buffer = mmap.mmap(-1, BUFFER_BYTES)  # anonymous: page-aligned
-        self._view = np.frombuffer(self._buffer, dtype=np.uint8)
-        self._filled = 0
-        self.size = 0
 
     def write(self, data: bytes | memoryview) -> int:
         source = np.frombuffer(data, dtype=np.uint8)

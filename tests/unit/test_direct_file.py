@@ -91,3 +91,19 @@ def test_torch_save_into_it_loads_equal_with_the_crc_32_of_its_records(tmp_path:
     assert loaded["n"] == 3
     assert all(torch.equal(loaded[k], state[k]) for k in ("w", "b", "h"))
     assert saved_file_digest(tmp_path / "rank_0.pt") == file_digest(tmp_path / "rank_0.pt")
+
+
+def test_no_memory_for_the_buffer_leaves_no_file_and_no_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_memory(*args: int) -> None:
+        raise MemoryError("mmap")
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("no /proc/self/fd here to count descriptors")
+    monkeypatch.setattr(direct_file.mmap, "mmap", no_memory)
+    open_before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(MemoryError):
+        DirectFile(tmp_path / "f")
+    assert not (tmp_path / "f").exists()
+    assert len(os.listdir("/proc/self/fd")) == open_before
