@@ -12,6 +12,7 @@ Systems, each also as ``NAME_bf16`` (``precision="bf16-mixed"``; the raw ones un
 ``FSDPStrategy(auto_wrap_policy={Block})`` (torch's FSDP1, FULL_SHARD; its bf16-mixed casts parameters, reductions
 and buffers to bf16, and its autocast names "cuda", so on the CPU it computes on bf16 parameters without autocast);
 ``zero1``-``zero3``: ``ZeroStrategy(stage=s, state_dict_type="full")`` ("full" to read its parameters at the end);
+``zero3_free``: the same at stage 3 with ``free_gradients_after_step=True``;
 ``raw_ddp`` (DistributedDataParallel, its defaults) and ``fsdp2`` (``fully_shard`` per block and on the root),
 stepped by a plain loop as in ``zero_bench/systems.py`` (its ``ddp_copy`` and ``fsdp2``); ``fsdp2_pl``: the same
 ``fully_shard`` calls in ``configure_model`` under Lightning's ``ModelParallelStrategy`` (FSDP2 as Lightning users
@@ -29,8 +30,9 @@ the order rotated by ``r``, to spread the machine's drift. Each rank reads (the 
 - ``baseline``: VmRSS after setup, before the first step (Lightning: ``on_train_start``, the model wrapped or sharded
   and the optimizer built, AdamW's states not yet: the first step makes them; raw: once built); there the high-water
   mark is reset (``/proc/self/clear_refs``), so ``peak`` (VmHWM) covers the steps alone;
-- model states after the last step: ZeRO's ``trainer.strategy.memory_report()``; DDP and FSDP params + grads +
-  optimizer states counted from the tensors (FSDP its local shards; DDP's bucket copy not counted);
+- model states after the last step: ZeRO's ``trainer.strategy.memory_report()``, its gradients as held before that
+  step (``free_gradients_after_step`` empties them after it); DDP and FSDP params + grads + optimizer states counted
+  from the tensors (FSDP its local shards; DDP's bucket copy not counted);
 - peak over model states = ``peak - before_model - model states``: activations, communication buffers, bucket copies
   and the allocator's slack;
 - the final parameters against the same precision's ``ddp``: max over tensors of max|a-b| / max|b|, and L2.
@@ -63,7 +65,7 @@ from zero_bench.systems import build_system, lm_loss, make_adamw, make_model, te
 from examples.gpt import DEFAULT_DATA, Block, count_params
 from lightning_zero import ZeroStrategy
 
-BASES = ("ddp", "raw_ddp", "fsdp", "fsdp2", "fsdp2_pl", "zero1", "zero2", "zero3")
+BASES = ("ddp", "raw_ddp", "fsdp", "fsdp2", "fsdp2_pl", "zero1", "zero2", "zero3", "zero3_free")
 SYSTEMS = (*BASES, *(f"{base}{BF16}" for base in BASES))
 RAW = {"raw_ddp": "ddp_copy", "fsdp2": "fsdp2"}  # our name -> zero_bench/systems.py's
 MEMORY_REFERENCES = ("ddp", "fsdp2", "fsdp", "fsdp2_pl")
@@ -207,6 +209,7 @@ class ProbeHooks(pl.Callback):
     def __init__(self, probe: Probe, path: str) -> None:
         self.probe, self.path = probe, path
         self.result: dict[str, Any] | None = None
+        self.gradients_before_step = 0
 
     def on_train_start(self, *_: Any) -> None:
         self.probe.start_steps()
@@ -217,8 +220,15 @@ class ProbeHooks(pl.Callback):
     def on_train_batch_end(self, *_: Any) -> None:
         self.probe.end_step()
 
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *_: Any) -> None:
+        if isinstance(trainer.strategy, ZeroStrategy):
+            self.gradients_before_step = trainer.strategy.memory_report().gradients
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.result = self.probe.finish(model_states(trainer), lambda: full_state(trainer), self.path)
+        states = model_states(trainer)
+        if isinstance(trainer.strategy, ZeroStrategy):
+            states["gradients"] = max(states["gradients"], self.gradients_before_step)
+        self.result = self.probe.finish(states, lambda: full_state(trainer), self.path)
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -250,7 +260,7 @@ def lightning_strategy(name: str) -> pl.strategies.Strategy:
         return CPUFSDPStrategy(auto_wrap_policy={Block})
     if base == "fsdp2_pl":
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    return ZeroStrategy(stage=int(base[-1]), state_dict_type="full")
+    return ZeroStrategy(stage=int(base[4]), state_dict_type="full", free_gradients_after_step=base.endswith("_free"))
 
 
 def lightning_rank(rank: int, world_size: int, args: argparse.Namespace, name: str, path: str) -> dict[str, Any]:

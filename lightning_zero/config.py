@@ -102,6 +102,7 @@ def zero_config(
     quantize_weights: bool,
     quantize_gradients: bool,
     secondary_shard_size: int | None,
+    free_gradients_after_step: bool,
 ) -> ZeroConfig:
     """The configuration of the keyword arguments that ``ZeroStrategy`` and ``ZeroFabricStrategy`` both take."""
     engine = EngineOptions(
@@ -117,6 +118,7 @@ def zero_config(
         quantize_weights=quantize_weights,
         quantize_gradients=quantize_gradients,
         secondary_shard_size=secondary_shard_size,
+        free_gradients_after_step=free_gradients_after_step,
     )
     return ZeroConfig(
         engine,

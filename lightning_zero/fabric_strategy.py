@@ -74,6 +74,7 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
         quantize_weights: bool = False,
         quantize_gradients: bool = False,
         secondary_shard_size: int | None = None,
+        free_gradients_after_step: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

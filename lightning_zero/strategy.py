@@ -73,6 +73,10 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         quantize_weights: stage 3: the forward and backward parameter all-gathers send int8 values with one fp32
             scale per 256 elements of a tensor, 1-D tensors exact (ZeRO++'s qwZ); shards, fp32 masters and
             checkpoints stay exact.
+        free_gradients_after_step: every ``optimizer.step()`` empties the gradient shards it stepped on, as
+            ``zero_grad(set_to_none=True)`` would, so they are not held through the next forward (Lightning calls
+            ``zero_grad`` after the forward); lowers the peak by the gradient shards (see docs/configuration.md).
+            After a step the gradients read as empty, and a backward without ``zero_grad`` starts from zero.
 
     Raises:
         ValueError: for an invalid option, naming the option, the value and the fix.
@@ -98,6 +102,7 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         quantize_weights: bool = False,
         quantize_gradients: bool = False,
         secondary_shard_size: int | None = None,
+        free_gradients_after_step: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

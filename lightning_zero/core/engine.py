@@ -176,7 +176,14 @@ class ZeroEngine:
 
     def _step(self, optimizer: Optimizer) -> OptimizerStep:
         return OptimizerStep(
-            optimizer, [], self.topology, self.device, self.scaling, self._take_comm, self.loss_weights.agree
+            optimizer,
+            [],
+            self.topology,
+            self.device,
+            self.scaling,
+            self._take_comm,
+            self.loss_weights.agree,
+            free_after_step=self.options.free_gradients_after_step,
         )
 
     def _take_comm(self) -> None:

@@ -53,6 +53,9 @@ class EngineOptions:
             [Note: quantized gradient reduction] and [Note: error feedback]); on one node it changes nothing.
         quantize_weights: stage 3 with ``partition="flat"``: the forward and backward parameter gathers send int8
             values with block scales; shards, masters and checkpoints stay exact (see [Note: quantized all-gather]).
+        free_gradients_after_step: each ``optimizer.step()`` empties the gradient shards it stepped on, as
+            ``zero_grad(set_to_none=True)`` would, so they do not live through the next forward (see [Note: freeing
+            gradients after the step]); ``False``: they are kept until ``zero_grad``, as torch's contract says.
     """
 
     stage: int = 2
@@ -67,6 +70,7 @@ class EngineOptions:
     quantize_weights: bool = False
     quantize_gradients: bool = False
     secondary_shard_size: int | None = None
+    free_gradients_after_step: bool = False
 
     def __post_init__(self) -> None:
         check_choice("stage", self.stage, STAGES, "stage=2")
@@ -77,6 +81,7 @@ class EngineOptions:
         check_shard_size(self.shard_size)
         check_secondary_shard_size(self.secondary_shard_size, self.stage)
         check_bool("quantize_gradients", self.quantize_gradients)
+        check_bool("free_gradients_after_step", self.free_gradients_after_step)
         if self.quantize_gradients and self.partition == "parameter":
             raise ValueError(
                 "quantize_gradients=True needs partition='flat', got partition='parameter': whole-tensor owners hold "
@@ -139,6 +144,7 @@ class EngineOptions:
             "quantize_weights": self.quantize_weights,
             "quantize_gradients": self.quantize_gradients,
             "secondary_shard_size": self.secondary_shard_size,
+            "free_gradients_after_step": self.free_gradients_after_step,
         }
 
 

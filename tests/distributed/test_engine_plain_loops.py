@@ -28,11 +28,10 @@ STEPS = 3
 RTOL = 1e-5  # fp32 against DDP or a reordered reference; the parity tests measure their spread at 1e-7 - 4e-7
 
 
-def _engine(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int) -> ZeroEngine:
+def _engine(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int, free: bool = False) -> ZeroEngine:
     policy = {nn.Linear} if stage == 3 else None  # every Linear a gather unit: several units per backward
-    return ZeroEngine(
-        model, [optimizer], EngineOptions(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy), Communicator()
-    )
+    options = EngineOptions(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy, free_gradients_after_step=free)
+    return ZeroEngine(model, [optimizer], options, Communicator())
 
 
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
@@ -84,6 +83,34 @@ def _no_sync_then_zero_grad_case(rank: int, stage: int) -> float:
     (reference, _), (model, engine) = runs
     with engine.gathered():
         return relative_difference(reference, model)
+
+
+def _steps_without_zero_grad_case(rank: int, stage: int) -> dict[str, Any]:
+    """Backward, step, backward, step, ... and never ``zero_grad``: torch's gradients add up across the steps (DDP,
+    and the engine by default); with ``free_gradients_after_step`` each step empties them, as DDP with a
+    ``zero_grad`` before each backward. Also the gradients the engine holds right after each step."""
+    torch.manual_seed(0)
+    initial = TinyLM()
+    out: dict[str, Any] = {}
+    for free in (False, True):
+        reference = copy.deepcopy(initial)
+        ddp, reference_optimizer = DistributedDataParallel(reference), _sgd(reference)
+        model = copy.deepcopy(initial)
+        optimizer = _sgd(model)
+        engine = _engine(model, optimizer, stage, free=free)
+        held = []
+        for step in range(STEPS):
+            if free:
+                reference_optimizer.zero_grad()
+            loss_fn(ddp, *batch(100 * step + rank)).backward()
+            reference_optimizer.step()
+            loss_fn(model, *batch(100 * step + rank)).backward()
+            optimizer.step()
+            held.append((len(engine.step_of(optimizer).gradients()), engine.memory_report().gradients))
+        with engine.gathered():
+            out[f"free={free}"] = (relative_difference(reference, model), held)
+        engine.release()
+    return out
 
 
 def _gathered_state_dict_case(rank: int) -> dict[str, Any]:
@@ -216,6 +243,7 @@ def _all_cases(rank: int, world_size: int) -> dict[str, Any]:
         results[f"penalty/{stage}"] = _penalty_case(rank, world_size, stage, penalty_first=False)
         results[f"penalty_first/{stage}"] = _penalty_case(rank, world_size, stage, penalty_first=True)
         results[f"no_sync_zero_grad/{stage}"] = _no_sync_then_zero_grad_case(rank, stage)
+        results[f"no_zero_grad/{stage}"] = _steps_without_zero_grad_case(rank, stage)
     results["gathered_state_dict"] = _gathered_state_dict_case(rank)
     results["interleaved"] = _interleaved_case(rank, announced=True)
     results["interleaved_unannounced"] = _interleaved_case(rank, announced=False)
@@ -248,6 +276,20 @@ def test_gradient_penalty_through_autograd_grad(results: list[dict[str, Any]], s
 def test_zero_grad_after_a_no_sync_backward_drops_it(results: list[dict[str, Any]], stage: int) -> None:
     for rank, result in enumerate(results):
         assert result[f"no_sync_zero_grad/{stage}"] <= RTOL, f"rank {rank}: {result[f'no_sync_zero_grad/{stage}']}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_free_gradients_after_step_starts_each_backward_from_zero(results: list[dict[str, Any]], stage: int) -> None:
+    """Without ``zero_grad``: by default the gradients add up across steps as DDP's do; with the option each step
+    empties them (nothing held after it), as DDP with ``zero_grad`` before each backward."""
+    for rank, per_rank in enumerate(results):
+        cases = per_rank[f"no_zero_grad/{stage}"]
+        difference, held = cases["free=False"]
+        assert difference <= RTOL, f"rank {rank}: kept gradients differ from DDP's sums by {difference:.2e}"
+        assert all(tensors > 0 and nbytes > 0 for tensors, nbytes in held), f"rank {rank}: {held}"
+        difference, held = cases["free=True"]
+        assert difference <= RTOL, f"rank {rank}: freed gradients differ from DDP with zero_grad by {difference:.2e}"
+        assert held == [(0, 0)] * STEPS, f"rank {rank}: held after the step: {held}"
 
 
 def test_state_dict_taken_inside_gathered_outlives_the_block(results: list[dict[str, Any]]) -> None:

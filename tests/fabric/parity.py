@@ -53,8 +53,11 @@ def micro_batch(step: int, micro: int, rank: int) -> tuple[Tensor, Tensor]:
     return batch(seed=1000 * step + 10 * micro + rank)
 
 
-def fabric_loop(fabric: Fabric, model: nn.Module, optimizers: list[Any], rank: int) -> list[float]:
-    """STEPS optimizer steps of ACCUMULATE micro-batches, each optimizer clipped by norm; returns the norms."""
+def fabric_loop(
+    fabric: Fabric, model: nn.Module, optimizers: list[Any], rank: int, held: list[list[int]] | None = None
+) -> list[float]:
+    """STEPS optimizer steps of ACCUMULATE micro-batches, each optimizer clipped by norm; returns the norms. ``held``
+    gets, after each ``optimizer.step()``, how many gradients each of the engine's optimizer steps holds."""
     norms = []
     for step in range(STEPS):
         for micro in range(ACCUMULATE):
@@ -65,6 +68,8 @@ def fabric_loop(fabric: Fabric, model: nn.Module, optimizers: list[Any], rank: i
             norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=CLIP)))
         for optimizer in optimizers:
             optimizer.step()
+            if held is not None:
+                held.append([len(step.gradients()) for step in fabric.strategy.session.engine.model.steps])
             optimizer.zero_grad()
     return norms
 
@@ -90,9 +95,12 @@ def train_reordered(model: nn.Module, kind: str, world_size: int) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------------------------ Fabric runs
-def zero_strategy(stage: int) -> ZeroFabricStrategy:
+def zero_strategy(stage: int, free_gradients_after_step: bool = False) -> ZeroFabricStrategy:
     return ZeroFabricStrategy(
-        stage=stage, bucket_cap_mb=TINY_BUCKET_MB, wrap_policy={nn.Linear} if stage == 3 else None
+        stage=stage,
+        bucket_cap_mb=TINY_BUCKET_MB,
+        wrap_policy={nn.Linear} if stage == 3 else None,
+        free_gradients_after_step=free_gradients_after_step,
     )
 
 
@@ -167,6 +175,16 @@ def fp32_runs(rank: int, world_size: int) -> tuple[dict[str, Any], dict[int, dic
                 if kind == "two" and separate:
                     separate_two[stage] = params
                 out[f"norms/{name}"] = max_norm_difference(ddp_norms, norms)
+            if kind == "two":  # each optimizer.step() empties its own gradients, not the other optimizer's
+                fabric = launched(world_size, zero_strategy(stage, free_gradients_after_step=True))
+                model = copy.deepcopy(initial)
+                wrapped, optimizers = set_up(fabric, model, kind, False)
+                held: list[list[int]] = []
+                out[f"norms/stage{stage}/two/free"] = max_norm_difference(
+                    ddp_norms, fabric_loop(fabric, wrapped, optimizers, rank, held)
+                )
+                out[f"stage{stage}/two/free"] = relative(reference, full_params(fabric, model))
+                out[f"held/stage{stage}"] = held
         if kind == "one":
             by_class = launched(world_size, ZeroFabricStrategy(stage=2))
             model, _ = trained(by_class, initial, kind, False, rank)

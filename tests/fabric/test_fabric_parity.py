@@ -60,6 +60,23 @@ def test_fp32_equals_fabric_ddp(results: list[dict[str, Any]], stage: int, kind:
         assert per_rank[f"norms/{name}"] <= TOLERANCE, f"rank {rank}: {name}'s gradient norms differ from DDP's"
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_free_gradients_after_step_equals_fabric_ddp_and_frees_each_optimizers_own(
+    results: list[dict[str, Any]], stage: int
+) -> None:
+    """``free_gradients_after_step=True`` with two optimizers over disjoint parts: the same parameters and norms
+    as DDP; after the first ``step()`` its gradients are empty and the second's still held, after the second none."""
+    for rank, per_rank in enumerate(results):
+        assert per_rank[f"stage{stage}/two/free"] <= TOLERANCE, f"rank {rank}"
+        assert per_rank[f"norms/stage{stage}/two/free"] <= TOLERANCE, f"rank {rank}"
+        held = per_rank[f"held/stage{stage}"]
+        assert len(held) == 2 * STEPS, held
+        for first, second in zip(held[::2], held[1::2], strict=True):
+            assert first[0] == 0, f"rank {rank}: the first optimizer's gradients after its step: {held}"
+            assert first[1] > 0, f"rank {rank}: the second optimizer's gradients before its step: {held}"
+            assert second == [0, 0], f"rank {rank}: after the second step: {held}"
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_tolerance_is_above_the_reordering_spread(results: list[dict[str, Any]], kind: str) -> None:
     # DDP and a local run summing the same gradients in another order agree within the tolerance and differ at all:

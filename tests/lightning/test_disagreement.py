@@ -16,6 +16,7 @@ CASES = {
     "hidden_size_stage1": {"stage": 1, "hidden": "rank"},
     "hidden_size_stage2": {"stage": 2, "hidden": "rank"},
     "bucket_cap_mb": {"stage": 2, "bucket_cap_mb": "rank"},
+    "free_gradients_after_step": {"stage": 3, "free_gradients_after_step": "rank"},  # local: no collective hangs
     "precision": {"stage": 3, "precision": "rank"},  # rank 0 bf16-mixed, rank 1 32-true: same parameter dtypes
     "agreeing_ranks": {"stage": 2},  # control: the same run with agreeing ranks trains
 }
@@ -28,7 +29,8 @@ def _disagreeing_runs(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
     for name, case in CASES.items():
         hidden = 15 + rank if case.get("hidden") == "rank" else 15
         bucket_cap_mb = 1 + rank if case.get("bucket_cap_mb") == "rank" else 25
-        strategy = ZeroStrategy(stage=case["stage"], bucket_cap_mb=bucket_cap_mb)
+        free = rank == 1 if case.get("free_gradients_after_step") == "rank" else False
+        strategy = ZeroStrategy(stage=case["stage"], bucket_cap_mb=bucket_cap_mb, free_gradients_after_step=free)
         precision = ("bf16-mixed" if rank == 0 else "32-true") if case.get("precision") == "rank" else "32-true"
         trainer = make_trainer(world_size, strategy, max_steps=2, precision=precision)
         try:
@@ -55,12 +57,13 @@ def test_rank_dependent_model_raises_on_every_rank(outcomes: list[dict[str, tupl
         assert "(16, 7)" in message, f"rank {rank}: the error should show rank 1's shape: {message}"
 
 
-def test_rank_dependent_option_raises_on_every_rank(outcomes: list[dict[str, tuple[str, str]]]) -> None:
+@pytest.mark.parametrize("option", ["bucket_cap_mb", "free_gradients_after_step"])
+def test_rank_dependent_option_raises_on_every_rank(outcomes: list[dict[str, tuple[str, str]]], option: str) -> None:
     for rank, results in enumerate(outcomes):
-        kind, message = results["bucket_cap_mb"]
+        kind, message = results[option]
         assert kind == "RuntimeError", f"rank {rank}: {kind}: {message}"
         assert "ranks disagree" in message, f"rank {rank}: {message}"
-        assert "bucket_cap_mb" in message, f"rank {rank}: {message}"
+        assert option in message, f"rank {rank}: {message}"
 
 
 def test_rank_dependent_precision_raises_on_every_rank(outcomes: list[dict[str, tuple[str, str]]]) -> None:

@@ -17,7 +17,8 @@ Factors (every legal pair of two factors' values occurs in some case, see ``test
   the checkpoints); ``secondary_shard_size`` ``None`` or 1 (stage 3 only: each unit keeps a copy from forward to
   backward, whose gathers read it, see [Note: secondary shards]); ``quantize_gradients`` off or on (on one node
   nothing crosses nodes, so it must change nothing; with ``partition="parameter"`` it is refused, so that pair is
-  not legal).
+  not legal); ``free_gradients_after_step`` off or on (on: no gradient is held when Lightning's ``zero_grad`` comes
+  after the next forward, checked in ``on_before_zero_grad``; off: every step's gradients are still held there).
 
 Each case ends with the same parameters as its oracle, a run doing the same maths: in fp32 Lightning's DDP with the
 model's oracle variant (a loss reaching every parameter with zeros where rank 1's does not; the weighted loss scaled
@@ -66,6 +67,7 @@ FACTORS: dict[str, tuple[Any, ...]] = {
     "shard_size": (None, 1),  # flat, or hybrid: each rank its own shard group, replicas all-reduce the gradients
     "secondary_shard_size": (None, 1),  # stage 3: backward gathers from the slices kept after forward (a full copy)
     "quantize_gradients": (False, True),  # one node: the same as off
+    "free_gradients_after_step": (False, True),
 }
 OFFLOAD = {  # offload -> (offload_optimizer, offload_params)
     "none": (False, False),
@@ -81,6 +83,7 @@ PLAIN = {  # the oracle's
     "shard_size": None,
     "secondary_shard_size": None,
     "quantize_gradients": False,
+    "free_gradients_after_step": False,
 }
 
 
@@ -165,6 +168,19 @@ class SaveAtEpochEnd(pl.Callback):
             trainer.save_checkpoint(self.path)
 
 
+class HeldBeforeZeroGrad(pl.Callback):
+    """Records, where Lightning calls ``zero_grad`` (after the next step's forward), how many gradient tensors the
+    engine's optimizer steps still hold and the bytes of gradients ``memory_report()`` counts."""
+
+    def __init__(self) -> None:
+        self.record: list[tuple[int, int]] = []
+
+    def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        engine = trainer.strategy._engine  # type: ignore[attr-defined]
+        held = sum(len(step.gradients()) for step in engine.model.steps)
+        self.record.append((held, trainer.strategy.memory_report().gradients))  # type: ignore[attr-defined]
+
+
 def _precision(name: str) -> dict[str, Any]:
     if name == "16-mixed":  # on the CPU fp16 is asked for with the plugin (see CONTRACT.md)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
@@ -193,6 +209,7 @@ def _strategy(case: dict[str, Any], root: Path) -> pl.strategies.Strategy:
         shard_size=case["shard_size"],
         secondary_shard_size=case["secondary_shard_size"],
         quantize_gradients=case["quantize_gradients"],
+        free_gradients_after_step=case["free_gradients_after_step"],
         timeout=TIMEOUT,
     )
 
@@ -201,6 +218,8 @@ def _fit_once(case: dict[str, Any], root: Path, epochs: int, ckpt_path: str | No
     accumulate = 2 if case["accumulate_clip"] else 1
     model = MatrixLM(case["weighted"], case["uneven"], accumulate, oracle=case.get("oracle") == "ddp")
     callbacks: list[pl.Callback] = [SaveAtEpochEnd(save)] if save else []
+    if case.get("oracle") != "ddp":
+        callbacks.append(HeldBeforeZeroGrad())
     if case["checkpoint"] == "link":
         callbacks.append(
             ModelCheckpoint(
@@ -252,6 +271,7 @@ def fit_matrix_case(world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     saved = str(root / "epoch0") if case["resume"] and case.get("oracle") is None else None
     trainer, model = _fit_once(case, root, EPOCHS, None, saved)
     result: dict[str, Any] = {"state": final_state(trainer, model), "mc": _listing(root / "mc")}
+    result["held"] = [r for c in trainer.callbacks if isinstance(c, HeldBeforeZeroGrad) for r in c.record]
     if saved:
         source = str(root / "mc" / "epoch=0-step=2.ckpt") if case["checkpoint"] == "link" else saved
         if case["accumulate_clip"] and case["checkpoint"] == "link":
@@ -315,6 +335,12 @@ def test_each_combination_trains_like_its_oracle(outcomes: dict[str, Any], case:
         if case["resume"]:
             diffs = max_rel_diff(theirs["state"], ours["resumed"])
             assert max(diffs.values()) <= RTOL, f"rank {rank} resumed: {max(diffs.items(), key=lambda kv: kv[1])}"
+        held = ours["held"][1:]  # the first zero_grad of the fit follows no step
+        assert len(held) == STEPS_PER_EPOCH * EPOCHS - 1, held
+        if case["free_gradients_after_step"]:
+            assert all(record == (0, 0) for record in held), f"rank {rank}: held after the step: {held}"
+        else:
+            assert all(tensors > 0 for tensors, _ in held), f"rank {rank}: nothing held: {held}"
         listing = ours["mc_after_resume"] if case["resume"] else ours["mc"]
         if case["checkpoint"] == "link":  # last.ckpt (and, after a resume, Lightning's versioned last-v1.ckpt)
             links = {name: kind for name, kind in listing.items() if name.startswith("last")}

@@ -24,6 +24,7 @@ VALUES = {
     "shard_size": [None, 1, 2, 0, -2],
     "weighted_loss": [False, True, "yes"],
     "quantize_weights": [False, True, 1],
+    "free_gradients_after_step": [False, True, "yes"],
     "overlap_comm": [True, False, 0],
     "timeout": [timedelta(minutes=30), timedelta(seconds=0), 30],
     "wrap_policy": [None, {nn.Linear}, lambda module: False, 5],
@@ -76,6 +77,7 @@ def test_legal_combinations_construct(options: dict[str, object]) -> None:
         ({"nvme_path": 3}, "nvme_path"),
         ({"stage": 2, "quantize_weights": True}, "quantize_weights"),
         ({"stage": 3, "quantize_weights": True, "partition": "parameter"}, "quantize_weights"),
+        ({"free_gradients_after_step": 1}, "free_gradients_after_step"),
     ],
 )
 def test_invalid_combinations_name_the_option(options: dict[str, object], named: str) -> None:

@@ -9,6 +9,15 @@ full buffer again, the stores finish (masters rounded into the shard) and stages
 shards. A step whose gradients overflowed on any rank runs with every ``grad`` empty, so the optimizer
 changes nothing, on every rank. ``optimizer.zero_grad()`` empties the held gradients (see [Note: gradient
 liveness]); the optimizer's class is swapped, once, for a subclass that does so first.
+
+[Note: freeing gradients after the step]
+torch keeps gradients until ``zero_grad``, and Lightning's automatic optimization calls it inside the next
+iteration's closure, after ``training_step``: the held gradient shards of the last step live through the next
+forward, whose activations are the peak. With ``free_gradients_after_step`` each step empties the held gradients of
+its own parameters when it ends (stepped or skipped for an overflow), as DeepSpeed's engine does, so they are
+made again by the next backward's reductions. Nothing is communicated, so the order of collectives is unchanged.
+What an optimizer steps on is unchanged too: only what reads gradients after the step (``on_before_zero_grad``,
+a second ``optimizer.step()`` on the same gradients) sees them empty.
 """
 
 from __future__ import annotations
@@ -77,6 +86,7 @@ class OptimizerStep:
         scaling: the loss scale shared by every optimizer of the engine.
         on_step_end: called after every step (the engine takes the step's communication counts).
         on_prepare: called before the step gradients are made (the engine agrees on the loss weight there).
+        free_after_step: empty the held gradients when a step ends (see [Note: freeing gradients after the step]).
     """
 
     def __init__(
@@ -88,8 +98,10 @@ class OptimizerStep:
         scaling: LossScaling,
         on_step_end: Callable[[], None],
         on_prepare: Callable[[], None] = lambda: None,
+        free_after_step: bool = False,
     ) -> None:
         self.optimizer = optimizer
+        self.free_after_step = free_after_step
         self.on_prepare = on_prepare
         self._weight_skipped = False
         self.comm, self.world = topology.shard, topology.world
@@ -291,6 +303,8 @@ class OptimizerStep:
         self.state = StepState.IDLE
         if self.step_grads.scale is not None and self.scaling.scaler is not None and not self._weight_skipped:
             self.scaling.scaler.update(found_inf=not stepped)
+        if self.free_after_step:
+            self.zero_grad(set_to_none=True)
         self.on_step_end()
 
     def _check_unmanaged(self) -> None:
