@@ -12,7 +12,9 @@ Systems, each also as ``NAME_bf16`` (``precision="bf16-mixed"``; the raw ones un
 ``FSDPStrategy(auto_wrap_policy={Block})`` (torch's FSDP1, FULL_SHARD; its bf16-mixed casts parameters, reductions
 and buffers to bf16, and its autocast names "cuda", so on the CPU it computes on bf16 parameters without autocast);
 ``zero1``-``zero3``: ``ZeroStrategy(stage=s, state_dict_type="full")`` ("full" to read its parameters at the end);
-``zero3_free``: the same at stage 3 with ``free_gradients_after_step=True``;
+``zero3_free``: the same at stage 3 with ``free_gradients_after_step=True``; ``--zero-reduce-dtype bfloat16``
+gives the bf16-mixed ZeRO systems ``ZeroPrecision("bf16-mixed", reduce_dtype="bfloat16")`` (gradients summed in
+bf16, as FSDP's bf16-mixed does; the default sums them in fp32);
 ``raw_ddp`` (DistributedDataParallel, its defaults) and ``fsdp2`` (``fully_shard`` per block and on the root),
 stepped by a plain loop as in ``zero_bench/systems.py`` (its ``ddp_copy`` and ``fsdp2``); ``fsdp2_pl``: the same
 ``fully_shard`` calls in ``configure_model`` under Lightning's ``ModelParallelStrategy`` (FSDP2 as Lightning users
@@ -63,7 +65,7 @@ from zero_bench.report import environment, mib
 from zero_bench.systems import build_system, lm_loss, make_adamw, make_model, tensor_bytes
 
 from examples.gpt import DEFAULT_DATA, Block, count_params
-from lightning_zero import ZeroStrategy
+from lightning_zero import ZeroPrecision, ZeroStrategy
 
 BASES = ("ddp", "raw_ddp", "fsdp", "fsdp2", "fsdp2_pl", "zero1", "zero2", "zero3", "zero3_free")
 SYSTEMS = (*BASES, *(f"{base}{BF16}" for base in BASES))
@@ -83,6 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--bucket-cap-mb", type=float, default=25, help="raw systems' DDP bucket size")
+    parser.add_argument(
+        "--zero-reduce-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="bf16-mixed ZeRO systems: the dtype gradients are summed in (ZeroPrecision's reduce_dtype; FSDP's "
+        "bf16-mixed sums in bfloat16)",
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--data", default=str(DEFAULT_DATA))
@@ -221,8 +230,10 @@ class ProbeHooks(pl.Callback):
         self.probe.end_step()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, *_: Any) -> None:
-        if isinstance(trainer.strategy, ZeroStrategy):
-            self.gradients_before_step = trainer.strategy.memory_report().gradients
+        if isinstance(trainer.strategy, ZeroStrategy):  # the held gradients; not bf16's wide step copies
+            steps = trainer.strategy._engine.model.steps
+            wide = sum(step.step_grad_nbytes for step in steps)
+            self.gradients_before_step = trainer.strategy.memory_report().gradients - wide
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         states = model_states(trainer)
@@ -252,7 +263,7 @@ class CPUFSDPStrategy(FSDPStrategy):
         return super()._setup_model(wrapped)
 
 
-def lightning_strategy(name: str) -> pl.strategies.Strategy:
+def lightning_strategy(name: str, reduce_dtype: str = "float32") -> pl.strategies.Strategy:
     base = base_system(name)
     if base == "ddp":
         return DDPStrategy()
@@ -260,7 +271,12 @@ def lightning_strategy(name: str) -> pl.strategies.Strategy:
         return CPUFSDPStrategy(auto_wrap_policy={Block})
     if base == "fsdp2_pl":
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    return ZeroStrategy(stage=int(base[4]), state_dict_type="full", free_gradients_after_step=base.endswith("_free"))
+    free = base.endswith("_free")
+    bf16_sums = is_bf16(name) and reduce_dtype != "float32"  # else the Trainer's flag, as users pass it
+    precision = ZeroPrecision("bf16-mixed", reduce_dtype=reduce_dtype) if bf16_sums else None
+    return ZeroStrategy(
+        stage=int(base[4]), state_dict_type="full", free_gradients_after_step=free, precision_plugin=precision
+    )
 
 
 def lightning_rank(rank: int, world_size: int, args: argparse.Namespace, name: str, path: str) -> dict[str, Any]:
@@ -272,7 +288,7 @@ def lightning_rank(rank: int, world_size: int, args: argparse.Namespace, name: s
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
-        strategy=lightning_strategy(name),
+        strategy=lightning_strategy(name, args.zero_reduce_dtype),
         precision="bf16-mixed" if is_bf16(name) else "32-true",
         max_steps=len(batches),
         callbacks=[hooks],
