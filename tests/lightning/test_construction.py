@@ -76,6 +76,11 @@ def test_lightning_cli_yaml_quantize_weights(tmp_path: Path) -> None:
     assert _cli(tmp_path, yaml).trainer.strategy.config.engine.quantize_weights is True
 
 
+def test_lightning_cli_yaml_free_gradients_after_step(tmp_path: Path) -> None:
+    yaml = "\n    class_path: lightning_zero.ZeroStrategy\n    init_args: {stage: 3, free_gradients_after_step: true}"
+    assert _cli(tmp_path, yaml).trainer.strategy.config.engine.free_gradients_after_step is True
+
+
 def test_lightning_cli_rejects_an_invalid_option(tmp_path: Path) -> None:
     """An invalid ``init_args`` value ends the CLI with ZeroStrategy's own error, not a silent default."""
     with pytest.raises(ValueError, match=r"stage=7 is not supported"):
