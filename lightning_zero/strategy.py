@@ -75,8 +75,9 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
             checkpoints stay exact.
         free_gradients_after_step: every ``optimizer.step()`` empties the gradient shards it stepped on, as
             ``zero_grad(set_to_none=True)`` would, so they are not held through the next forward (Lightning calls
-            ``zero_grad`` after the forward); lowers the peak by the gradient shards (see docs/configuration.md).
-            After a step the gradients read as empty, and a backward without ``zero_grad`` starts from zero.
+            ``zero_grad`` after the forward), which lowers the peak where the forward holds it. A parameter in several
+            optimizers keeps its gradient until ``zero_grad``. After a step the gradients read as empty, and a
+            backward without ``zero_grad`` starts from zero (see docs/configuration.md).
 
     Raises:
         ValueError: for an invalid option, naming the option, the value and the fix.

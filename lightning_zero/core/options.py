@@ -53,8 +53,8 @@ class EngineOptions:
             [Note: quantized gradient reduction] and [Note: error feedback]); on one node it changes nothing.
         quantize_weights: stage 3 with ``partition="flat"``: the forward and backward parameter gathers send int8
             values with block scales; shards, masters and checkpoints stay exact (see [Note: quantized all-gather]).
-        free_gradients_after_step: each ``optimizer.step()`` empties the gradient shards it stepped on, as
-            ``zero_grad(set_to_none=True)`` would, so they do not live through the next forward (see [Note: freeing
+        free_gradients_after_step: each ``optimizer.step()`` empties the gradients of the parameters only it steps,
+            as ``zero_grad(set_to_none=True)`` would, so they do not live through the next forward (see [Note: freeing
             gradients after the step]); ``False``: they are kept until ``zero_grad``, as torch's contract says.
     """
 

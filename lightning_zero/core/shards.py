@@ -166,9 +166,13 @@ class ShardedModel:
 
     def step_peak(self, report: MemoryReport, allocated: int | None) -> StepPeak:
         """The peak since :meth:`PeakLedger.reset` by kind; ``report``'s model states less the transient buffers
-        held now (which it counts under parameters and gradients)."""
+        held now (which it counts under parameters and gradients), with each bucket's gradients as held at the end
+        of the last step where they are fewer now (emptied after it: ``zero_grad`` or [Note: freeing gradients
+        after the step]; they were held through the backward and the step)."""
         held = sum(self.ledger.current.values())
-        return StepPeak.of(report.total - held, self.ledger.peak, allocated)
+        at_step_end = {key: nbytes for step in self.steps for key, nbytes in step.held_at_step_end.items()}
+        freed = sum(max(0, at_step_end.get(id(b), 0) - b.nbytes) for b in self.buckets)
+        return StepPeak.of(report.total - held + freed, self.ledger.peak, allocated)
 
     # ------------------------------------------------------------------ reading the state
     @contextmanager

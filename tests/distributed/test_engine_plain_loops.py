@@ -8,6 +8,7 @@ rank alike returns its error message, so the tests can assert on it.
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 from typing import Any
 
@@ -111,6 +112,50 @@ def _steps_without_zero_grad_case(rank: int, stage: int) -> dict[str, Any]:
             out[f"free={free}"] = (relative_difference(reference, model), held)
         engine.release()
     return out
+
+
+class _SharedLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.shared, self.b = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.shared(torch.tanh(self.a(x)))))
+
+
+def _two_optimizers_sharing(model: _SharedLayer) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    first = torch.optim.SGD([*model.a.parameters(), model.shared.weight], lr=0.1)
+    return first, torch.optim.SGD([*model.b.parameters(), *model.shared.parameters()], lr=0.1)
+
+
+def _shared_parameter_case(rank: int, stage: int, free: bool, prepared_first: bool) -> float:
+    """A parameter in two optimizers, one backward, both step (DDP steps it twice); ``prepared_first``: both steps
+    are prepared (clipped) before the first one steps. The first step must not empty what the second steps on."""
+    torch.manual_seed(1 + rank)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    reference = _SharedLayer()
+    ddp, reference_optimizers = DistributedDataParallel(reference), _two_optimizers_sharing(reference)
+    model = _SharedLayer()
+    first, second = _two_optimizers_sharing(model)
+    options = EngineOptions(stage=stage, free_gradients_after_step=free)
+    engine = ZeroEngine(model, [first, second], options, Communicator())
+    for _ in range(2):
+        for optimizer in (*reference_optimizers, first, second):
+            optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        for optimizer in reference_optimizers:
+            optimizer.step()
+        nn.functional.mse_loss(model(x), y).backward()
+        if prepared_first:
+            engine.step_of(first).clip_grad_norm_(1e9)
+            engine.step_of(second).clip_grad_norm_(1e9)
+        first.step()
+        second.step()
+    with engine.gathered():
+        difference = relative_difference(reference, model)
+    engine.release()
+    return difference
 
 
 def _gathered_state_dict_case(rank: int) -> dict[str, Any]:
@@ -244,6 +289,12 @@ def _all_cases(rank: int, world_size: int) -> dict[str, Any]:
         results[f"penalty_first/{stage}"] = _penalty_case(rank, world_size, stage, penalty_first=True)
         results[f"no_sync_zero_grad/{stage}"] = _no_sync_then_zero_grad_case(rank, stage)
         results[f"no_zero_grad/{stage}"] = _steps_without_zero_grad_case(rank, stage)
+        for free, prepared_first in itertools.product((False, True), repeat=2):
+            key = f"shared/{stage}/{free}/{prepared_first}"
+            try:
+                results[key] = _shared_parameter_case(rank, stage, free, prepared_first)
+            except Exception as error:  # the same on every rank (no collective left half-done): the test shows it
+                results[key] = f"{type(error).__name__}: {error}"
     results["gathered_state_dict"] = _gathered_state_dict_case(rank)
     results["interleaved"] = _interleaved_case(rank, announced=True)
     results["interleaved_unannounced"] = _interleaved_case(rank, announced=False)
@@ -290,6 +341,20 @@ def test_free_gradients_after_step_starts_each_backward_from_zero(results: list[
         difference, held = cases["free=True"]
         assert difference <= RTOL, f"rank {rank}: freed gradients differ from DDP with zero_grad by {difference:.2e}"
         assert held == [(0, 0)] * STEPS, f"rank {rank}: held after the step: {held}"
+
+
+@pytest.mark.parametrize("prepared_first", [False, True])
+@pytest.mark.parametrize("free", [False, True])
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_parameter_in_two_optimizers_is_stepped_by_both(
+    results: list[dict[str, Any]], stage: int, free: bool, prepared_first: bool
+) -> None:
+    """With ``free_gradients_after_step`` too: the first step leaves a shared parameter's gradient to the second
+    (which DDP steps on as well), also when both were prepared before the first one stepped."""
+    for rank, per_rank in enumerate(results):
+        difference = per_rank[f"shared/{stage}/{free}/{prepared_first}"]
+        assert isinstance(difference, float), f"rank {rank}: {difference}"
+        assert difference <= RTOL, f"rank {rank}: differs from DDP by {difference:.2e}"
 
 
 def test_state_dict_taken_inside_gathered_outlives_the_block(results: list[dict[str, Any]]) -> None:

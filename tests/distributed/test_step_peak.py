@@ -35,7 +35,7 @@ WORLD_SIZE = 2
 WIDTH = 24
 DEPTH = 4
 STEPS = 2
-CASES = [(stage, precision) for stage in (1, 2, 3) for precision in ("32-true", "bf16-mixed")]
+CASES = [(stage, precision, free) for stage in (1, 2, 3) for precision in ("32-true", "bf16-mixed") for free in (0, 1)]
 KINDS = ("gathered", "buckets", "temporaries")
 
 
@@ -122,13 +122,14 @@ def _bounds(engine: ZeroEngine, stage: int, mixed: bool) -> dict[str, int]:
     return {"gathered": gathered, "buckets": buckets, "temporaries": temporaries}
 
 
-def _measure(rank: int, stage: int, precision: str, probe: list[Probe]) -> dict[str, Any]:
+def _measure(rank: int, stage: int, precision: str, free: int, probe: list[Probe]) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mixed = precision == "bf16-mixed"
     policy = PrecisionPolicy(torch.bfloat16, torch.float32, torch.float32) if mixed else None
-    options = EngineOptions(stage=stage, bucket_cap_mb=0.002)  # a bucket per Linear or two
+    # a bucket per Linear or two
+    options = EngineOptions(stage=stage, bucket_cap_mb=0.002, free_gradients_after_step=bool(free))
     engine = ZeroEngine(model, [optimizer], options, Communicator(), precision=policy)
     probe[:] = [Probe(engine)]
     for step in range(STEPS):
@@ -142,6 +143,7 @@ def _measure(rank: int, stage: int, precision: str, probe: list[Probe]) -> dict[
         engine.finish_backward()
         engine.step_of(optimizer).prepare()
         during_step = dict(engine.model.ledger.current)
+        held = engine.memory_report().gradients - engine.step_of(optimizer).step_grad_nbytes
         optimizer.step()
         optimizer.zero_grad()
     report = engine.memory_report()
@@ -149,6 +151,7 @@ def _measure(rank: int, stage: int, precision: str, probe: list[Probe]) -> dict[
         "peak": report.step_peak,
         "as_dict": report.as_dict(),
         "total": report.total,
+        "held_gradients": held,  # before the last step; emptied by the free or the zero_grad after it
         "probe": dict(probe[0].peak),
         "during_step": during_step,
         "bounds": _bounds(engine, stage, mixed),
@@ -160,7 +163,7 @@ def _measure(rank: int, stage: int, precision: str, probe: list[Probe]) -> dict[
     return out
 
 
-def _all(rank: int, world_size: int) -> dict[tuple[int, str], dict[str, Any]]:
+def _all(rank: int, world_size: int) -> dict[tuple[int, str, int], dict[str, Any]]:
     probe: list[Probe] = []
     wrapped = ((GatherUnit, ("start_unshard", "reshard")), (OptimizerStep, ("prepare",)), (StepGrads, ("release",)))
     for cls, names in wrapped:
@@ -172,26 +175,29 @@ def _all(rank: int, world_size: int) -> dict[tuple[int, str], dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict[tuple[int, str], dict[str, Any]]]:
+def ranks() -> list[dict[tuple[int, str, int], dict[str, Any]]]:
     return run_on_ranks(_all, WORLD_SIZE)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"stage{s}-{p}" for s, p in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"stage{s}-{p}" + ("-free" if f else "") for s, p, f in CASES])
 def test_step_peak_by_kind_equals_the_probe_and_lies_within_the_formulas(
-    ranks: list[dict[tuple[int, str], dict[str, Any]]], case: tuple[int, str]
+    ranks: list[dict[tuple[int, str, int], dict[str, Any]]], case: tuple[int, str, int]
 ) -> None:
-    stage, precision = case
+    stage, precision, _ = case
     for rank, results in enumerate(ranks):
         got = results[case]
         peak = got["peak"]
         transient = {kind: getattr(peak, kind) for kind in KINDS}
         assert transient == got["probe"], f"rank {rank}: ledger {transient} != probe {got['probe']}"
-        assert peak.model_states == got["total"], f"rank {rank}: {peak}"  # nothing transient is held after the step
+        # Nothing transient is held after the step; the gradients emptied after it count as they were held.
+        assert got["total"] + got["held_gradients"] == peak.model_states, f"rank {rank}: {peak}"
+        assert got["held_gradients"] > 0
         assert peak.activations is None  # the CPU has no allocator peak
         assert peak.allocated is None
         bounds = got["bounds"]
         assert all(transient[kind] <= bounds[kind] for kind in KINDS), f"rank {rank}: {transient} > {bounds}"
-        assert got["total"] <= peak.total <= got["total"] + sum(bounds.values()), f"rank {rank}: {peak}"
+        states = got["total"] + got["held_gradients"]
+        assert states <= peak.total <= states + sum(bounds.values()), f"rank {rank}: {peak}"
         # Stage 1 in fp32 reduces in place in its full gradient: the only case with nothing transient. (Stage 1 in
         # bf16 peaks at its step: one staging buffer in backward is smaller than the fp32 step gradients.)
         assert (sum(transient.values()) > 0) != (stage == 1 and precision == "32-true"), f"rank {rank}: {peak}"
@@ -205,4 +211,17 @@ def test_step_peak_by_kind_equals_the_probe_and_lies_within_the_formulas(
         assert (bounds["temporaries"] > 0) == (precision == "bf16-mixed")
         flat = got["as_dict"]
         assert flat["peak"] == peak.total
-        assert {k: flat[f"peak_{k}"] for k in (*KINDS, "model_states")} == {**transient, "model_states": got["total"]}
+        assert {k: flat[f"peak_{k}"] for k in (*KINDS, "model_states")} == {
+            **transient,
+            "model_states": peak.model_states,
+        }
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[2]], ids=lambda c: f"stage{c[0]}-{c[1]}")
+def test_freeing_gradients_after_the_step_reports_the_same_peak(
+    ranks: list[dict[tuple[int, str, int], dict[str, Any]]], case: tuple[int, str, int]
+) -> None:
+    """The gradients ``free_gradients_after_step`` empties were held through the backward and the step: the
+    reported peak is the one of the same steps without the option."""
+    for rank, results in enumerate(ranks):
+        assert results[case]["peak"] == results[(*case[:2], 0)]["peak"], f"rank {rank}"

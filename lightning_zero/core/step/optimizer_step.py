@@ -12,18 +12,20 @@ liveness]); the optimizer's class is swapped, once, for a subclass that does so 
 
 [Note: freeing gradients after the step]
 torch keeps gradients until ``zero_grad``, and Lightning's automatic optimization calls it inside the next
-iteration's closure, after ``training_step``: the held gradient shards of the last step live through the next
-forward, whose activations are the peak. With ``free_gradients_after_step`` each step empties the held gradients of
-its own parameters when it ends (stepped or skipped for an overflow), as DeepSpeed's engine does, so they are
-made again by the next backward's reductions. Nothing is communicated, so the order of collectives is unchanged.
-What an optimizer steps on is unchanged too: only what reads gradients after the step (``on_before_zero_grad``,
-a second ``optimizer.step()`` on the same gradients) sees them empty.
+iteration's closure, after ``training_step``: the held gradients of the last step live through the next forward.
+With ``free_gradients_after_step`` each step empties the held gradients of its own parameters when it ends (stepped
+or skipped for an overflow), as DeepSpeed's engine does, so the next backward makes them again. A parameter that
+several optimizers step keeps its gradient until ``zero_grad``: each of them must step on it, in whatever order,
+and a step prepared (clipped) before another one ends reads it. Nothing is communicated, so the order of
+collectives is unchanged, and what an optimizer steps on is unchanged; only what reads gradients after the step sees
+them empty. The step's peak still counts them (``ShardedModel.step_peak``): they were held through its backward
+and step.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from enum import Enum, auto
 
 import torch
@@ -102,6 +104,8 @@ class OptimizerStep:
     ) -> None:
         self.optimizer = optimizer
         self.free_after_step = free_after_step
+        # Per bucket (by id): the gradient bytes it held when this optimizer's last step ended (see step_peak).
+        self.held_at_step_end: dict[int, int] = {}
         self.on_prepare = on_prepare
         self._weight_skipped = False
         self.comm, self.world = topology.shard, topology.world
@@ -115,11 +119,13 @@ class OptimizerStep:
         self._paging = False
         self.set_entries(entries)
 
-    def set_entries(self, entries: Sequence[StepEntry]) -> None:
+    def set_entries(self, entries: Sequence[StepEntry], shared: Set[int] = frozenset()) -> None:
+        """``shared``: ids of parameters that other optimizers step too (their gradients outlive this step)."""
         self.discard()
         self.entries = list(entries)
         self.step_grads.entries = self.entries
         self._managed = {id(entry.param) for entry in self.entries}
+        self._freed_after_step = self._managed - shared
         self._buffers = list({id(e.store.buffer): e.store.buffer for e in self.entries}.values())
         self._stores = list({id(e.store): e.store for e in self.entries}.values())
 
@@ -303,8 +309,9 @@ class OptimizerStep:
         self.state = StepState.IDLE
         if self.step_grads.scale is not None and self.scaling.scaler is not None and not self._weight_skipped:
             self.scaling.scaler.update(found_inf=not stepped)
+        self.held_at_step_end = {id(entry.bucket): entry.bucket.nbytes for entry in self.entries}
         if self.free_after_step:
-            self.zero_grad(set_to_none=True)
+            self.zero_grad(set_to_none=True, only=self._freed_after_step)
         self.on_step_end()
 
     def _check_unmanaged(self) -> None:
