@@ -218,7 +218,6 @@ class ProbeHooks(pl.Callback):
     def __init__(self, probe: Probe, path: str) -> None:
         self.probe, self.path = probe, path
         self.result: dict[str, Any] | None = None
-        self.gradients_before_step = 0
 
     def on_train_start(self, *_: Any) -> None:
         self.probe.start_steps()
@@ -229,17 +228,8 @@ class ProbeHooks(pl.Callback):
     def on_train_batch_end(self, *_: Any) -> None:
         self.probe.end_step()
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, *_: Any) -> None:
-        if isinstance(trainer.strategy, ZeroStrategy):  # the held gradients; not bf16's wide step copies
-            steps = trainer.strategy._engine.model.steps
-            wide = sum(step.step_grad_nbytes for step in steps)
-            self.gradients_before_step = trainer.strategy.memory_report().gradients - wide
-
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        states = model_states(trainer)
-        if isinstance(trainer.strategy, ZeroStrategy):
-            states["gradients"] = max(states["gradients"], self.gradients_before_step)
-        self.result = self.probe.finish(states, lambda: full_state(trainer), self.path)
+        self.result = self.probe.finish(model_states(trainer), lambda: full_state(trainer), self.path)
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -307,7 +297,9 @@ def model_states(trainer: pl.Trainer) -> dict[str, int]:
     """Bytes this rank holds: ZeRO's own report; else params + grads + optimizer states counted from the tensors."""
     if isinstance(trainer.strategy, ZeroStrategy):
         report = trainer.strategy.memory_report()
-        return {"params": report.params, "gradients": report.gradients, "optimizer_states": report.optimizer_states}
+        emptied = report.step_peak.model_states - report.total  # gradients held at the step's end, emptied since
+        gradients = report.gradients + emptied
+        return {"params": report.params, "gradients": gradients, "optimizer_states": report.optimizer_states}
     params = list(trainer.lightning_module.parameters())  # FSDP's use_orig_params: views of this rank's shards
     states = [v for optimizer in trainer.optimizers for s in optimizer.state.values() for v in s.values()]
     return {

@@ -48,8 +48,7 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         stage: 1 shards optimizer state; 2 also gradients; 3 also parameters.
         offload_optimizer: ``False``, ``"cpu"`` or ``"nvme"``: where the fp32 master and the optimizer state live
             and the user's optimizer steps (host memory, or a swap file under ``nvme_path``); see docs/offload.md.
-        offload_params: ``False``, ``"cpu"`` or ``"nvme"``: stage-3 parameter shards rest in host memory or in the
-            swap file between uses (needs ``offload_optimizer``).
+        offload_params: ``False``, ``"cpu"``, ``"nvme"``: where stage-3 parameter shards rest (needs offload_optimizer).
         nvme_path: directory of each rank's (unnamed) swap file for ``"nvme"`` offload.
         partition: ``"flat"`` (element-wise shards) or ``"parameter"`` (whole tensors per rank).
         bucket_cap_mb: size of the gradient reduce and parameter gather buckets.
@@ -61,23 +60,16 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         process_group_backend: ``"nccl"`` or ``"gloo"``; default by device.
         timeout: collective timeout.
         start_method: ``"popen"``, ``"spawn"`` or ``"fork"``, as in Lightning's ``DDPStrategy``.
-        weighted_loss: train on the gradient of the global mean over tokens: ``training_step`` returns
-            ``{"loss": loss_sum, "loss_weight": n_tokens}`` (or calls ``self.manual_backward(loss_sum,
-            loss_weight=n_tokens)``); see docs/weighted_loss.md.
-        secondary_shard_size: stage 3 (ZeRO++ hpZ): after forward keep each unit's parameters sharded over groups
-            of this many ranks inside a node, so that backward's gathers never leave the node; costs
-            1/secondary_shard_size of the units' parameters per rank until backward (see docs/configuration.md).
-        quantize_gradients: reduce gradients inside each node, then send them across nodes as int8 with block
-            scales and error feedback (an fp32 residual of what a rank sends, (nodes - 1) / N of the gradients);
-            see docs/configuration.md. Changes nothing on one node.
-        quantize_weights: stage 3: the forward and backward parameter all-gathers send int8 values with one fp32
-            scale per 256 elements of a tensor, 1-D tensors exact (ZeRO++'s qwZ); shards, fp32 masters and
-            checkpoints stay exact.
-        free_gradients_after_step: every ``optimizer.step()`` empties the gradient shards it stepped on, as
-            ``zero_grad(set_to_none=True)`` would, so they are not held through the next forward (Lightning calls
-            ``zero_grad`` after the forward), which lowers the peak where the forward holds it. A parameter in several
-            optimizers keeps its gradient until ``zero_grad``. After a step the gradients read as empty, and a
-            backward without ``zero_grad`` starts from zero (see docs/configuration.md).
+        weighted_loss: train on the mean over all ranks' tokens: ``training_step`` returns ``{"loss": loss_sum,
+            "loss_weight": n_tokens}`` (or ``manual_backward(loss_sum, loss_weight=n)``); docs/weighted_loss.md.
+        secondary_shard_size: stage 3 (ZeRO++ hpZ): after forward keep each unit sharded over groups of this many
+            ranks inside a node, so backward's gathers stay there (see docs/configuration.md for its memory).
+        quantize_gradients: reduce inside each node, then across nodes as int8 with block scales and error feedback
+            (an fp32 residual per rank; see docs/configuration.md). Changes nothing on one node.
+        quantize_weights: stage 3: parameter all-gathers send int8 with one fp32 scale per 256 elements (ZeRO++'s
+            qwZ); shards, fp32 masters and checkpoints stay exact.
+        free_gradients_after_step: each ``optimizer.step()`` empties the gradients only it steps on, so they are not
+            held through the next forward, where Lightning calls ``zero_grad`` (see docs/configuration.md).
 
     Raises:
         ValueError: for an invalid option, naming the option, the value and the fix.
@@ -330,11 +322,9 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
     # ------------------------------------------------------------------ lifecycle
     @override
     def teardown(self) -> None:
-        # The engine stays (without hooks) so memory_report(), save_checkpoint(), gathered_params() and evaluation
-        # work after fit, and so does the module, where it is: its parameters are views of the engine's buffers
-        # (at stage 3, of freed ones: gathering them here could exceed a rank's memory). Lightning's teardown would
-        # move the module to the CPU, away from those buffers; this one does the rest of what Lightning's does.
-        # fit ends once a background save committed; its error is raised after the rest of the teardown.
+        # The engine stays (without hooks) so memory_report(), saves, gathered_params() and evaluation work after
+        # fit; the module stays where it is, its parameters views of the engine's buffers (Lightning's teardown would
+        # move it to the CPU). fit ends once a background save committed; its error is raised after the teardown.
         error = _error_of(self.session.background.close)
         if not self.session.sharded and not half_built(self.lightning_module):
             super().teardown()

@@ -175,15 +175,9 @@ class ZeroEngine:
         _DRIVING[module] = self
 
     def _step(self, optimizer: Optimizer) -> OptimizerStep:
+        free = self.options.free_gradients_after_step
         return OptimizerStep(
-            optimizer,
-            [],
-            self.topology,
-            self.device,
-            self.scaling,
-            self._take_comm,
-            self.loss_weights.agree,
-            free_after_step=self.options.free_gradients_after_step,
+            optimizer, [], self.topology, self.device, self.scaling, self._take_comm, self.loss_weights.agree, free
         )
 
     def _take_comm(self) -> None:

@@ -141,11 +141,11 @@ def assign_owners(owners: OwnerPlan | None, model: ShardedModel, stage: int) -> 
 def bind_optimizers(model: ShardedModel) -> None:
     """Tell each optimizer step which of its parameters the trained groups hold; slice full-size optimizer state."""
     where = {id(p): (g, slot) for g in model.trained for slot, p in enumerate(g.buffer.params)}
-    stepped_by = Counter(id(p) for step in model.steps for p in _params_of(step.optimizer))
+    stepped_by = Counter(id(p) for step in model.steps for p in optimized([step.optimizer]))
     shared = {key for key, count in stepped_by.items() if count > 1}
     for step in model.steps:
         entries = []
-        for param in _params_of(step.optimizer):
+        for param in optimized([step.optimizer]):
             if id(param) not in where:
                 continue  # frozen: not trained, nothing to shard
             group, slot = where[id(param)]
@@ -154,11 +154,6 @@ def bind_optimizers(model: ShardedModel) -> None:
         step.set_entries(entries, shared)
         step.install()
         model.absorb_optimizer_state(step.optimizer)
-
-
-def _params_of(optimizer: Optimizer) -> list[nn.Parameter]:
-    """The optimizer's parameters, each once, in the order of its param groups."""
-    return list(dict.fromkeys(p for g in optimizer.param_groups for p in g["params"]))
 
 
 def _shard_existing_state(
