@@ -206,10 +206,13 @@ def test_swap_file_bytes_equal_the_formula(fp32: tuple[int, list[dict[str, Any]]
         assert io["written"] == 4 * owned + 12 * owned * steps, (rank, io)
 
 
-def run_io(rank: int, world_size: int, stage: int, params: str | bool = False) -> dict[str, int]:
-    """AdamW steps of a 0.5M-parameter model with NVMe offload (and ``offload_params``); the swap file's counts and
-    the process's /proc/self/io around steps 2 and 3 (setup and the first step excluded: file-system metadata
-    writes of a few pages, and modules the first step imports, read from disk when the page cache is cold)."""
+def run_io(
+    rank: int, world_size: int, stage: int, params: str | bool = False, clip: bool = False, free: bool = False
+) -> dict[str, Any]:
+    """AdamW steps of a 0.5M-parameter model with NVMe offload (and ``offload_params``), clipped by norm (``clip``),
+    with ``free_gradients_after_step`` (``free``); the swap file's counts and the process's /proc/self/io around
+    steps 2 and 3 (setup and the first step excluded: file-system metadata writes of a few pages, and modules the
+    first step imports, read from disk when the page cache is cold), and the parameters after the steps."""
     from lightning_zero.core.engine import ZeroEngine
     from lightning_zero.core.options import EngineOptions
 
@@ -217,18 +220,29 @@ def run_io(rank: int, world_size: int, stage: int, params: str | bool = False) -
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     directory = tempfile.mkdtemp(prefix="lz-io-")
-    options = EngineOptions(stage=stage, offload_optimizer="nvme", offload_params=params, nvme_path=directory)
+    options = EngineOptions(
+        stage=stage,
+        offload_optimizer="nvme",
+        offload_params=params,
+        nvme_path=directory,
+        free_gradients_after_step=free,
+    )
     engine = ZeroEngine(model, [optimizer], options, Communicator())
     for step in range(3):
         if step == 1:
             before, counts_before = _proc_io(), copy.copy(engine.io_counts)
         optimizer.zero_grad()
         model(torch.randn(8, 512, generator=torch.Generator().manual_seed(step + 10 * rank))).square().mean().backward()
+        if clip:
+            engine.step_of(optimizer).clip_grad_norm_(0.05)
         optimizer.step()
     after, counts = _proc_io(), copy.copy(engine.io_counts)
     owned = sum(s.numel for s in (g.store for g in engine.model.trained) if isinstance(s, DiskStore))
+    with engine.gathered():
+        state = {name: p.detach().clone() for name, p in model.named_parameters()}
     engine.release()
     return {
+        "state": state,
         "owned": owned,
         "read": counts.read - counts_before.read,
         "written": counts.written - counts_before.written,
@@ -242,18 +256,52 @@ def run_io(rank: int, world_size: int, stage: int, params: str | bool = False) -
 # Bytes per owned element per step, fp32 AdamW. Optimizer on NVMe: the master and both moments read and written
 # (12 each way). Everything on NVMe (ZeRO-Infinity, stage 3): also the gradient shard written after its reduction
 # and read for the step (4 each way), the parameter shard read for each of its unit's two gathers (forward,
-# backward: 8) and written after the step (4).
-IO_PER_STEP = {(1, False): (12, 12), (3, False): (12, 12), (3, "nvme"): (24, 20)}
+# backward: 8) and written after the step (4); clipped, the gradient shard also read for the norm (4) and written
+# back after the step (4) unless free_gradients_after_step empties it then (see [Note: the write a free makes
+# needless]).
+IO_PER_STEP = {  # (stage, offload_params, clip, free) -> (read, written)
+    (1, False, False, False): (12, 12),
+    (3, False, False, False): (12, 12),
+    (3, "nvme", False, False): (24, 20),
+    (3, "nvme", True, False): (28, 24),
+    (3, "nvme", True, True): (28, 20),
+}
 
 
-@pytest.mark.parametrize(("stage", "params"), list(IO_PER_STEP))
-def test_proc_self_io_agrees_with_the_swap_file_counts(stage: int, params: str | bool) -> None:
-    read, written = IO_PER_STEP[stage, params]
-    for rank, io in enumerate(run_on_ranks(run_io, 2, stage, params)):
+def run_io_cases(rank: int, world_size: int) -> dict[tuple[Any, ...], dict[str, Any]]:
+    """:func:`run_io` for every case of ``IO_PER_STEP``, in one process per rank."""
+    return {case: run_io(rank, world_size, *case) for case in IO_PER_STEP}
+
+
+@pytest.fixture(scope="module")
+def io_cases() -> list[dict[tuple[Any, ...], dict[str, Any]]]:
+    return run_on_ranks(run_io_cases, 2)
+
+
+@pytest.mark.parametrize("case", list(IO_PER_STEP), ids=lambda case: "-".join(map(str, case)))
+def test_proc_self_io_agrees_with_the_swap_file_counts(
+    io_cases: list[dict[tuple[Any, ...], dict[str, Any]]], case: tuple[Any, ...]
+) -> None:
+    read, written = IO_PER_STEP[case]
+    for rank, per_rank in enumerate(io_cases):
+        io = {key: value for key, value in per_rank[case].items() if key != "state"}
         assert io["read"] == read * io["owned"] * 2, (rank, io)
         assert io["written"] == written * io["owned"] * 2, (rank, io)
         assert abs(io["proc_read"] - io["read_padded"]) <= 0.01 * io["read_padded"], (rank, io)
         assert abs(io["proc_written"] - io["written_padded"]) <= 0.01 * io["written_padded"], (rank, io)
+
+
+def test_a_free_that_skips_the_gradient_write_back_steps_the_same(
+    io_cases: list[dict[tuple[Any, ...], dict[str, Any]]],
+) -> None:
+    """Everything on NVMe, clipped: the parameters after three steps are the same bits whether or not the clipped
+    gradient shards went back to disk (the next reduction replaces them)."""
+    for per_rank in io_cases:
+        kept, freed = per_rank[3, "nvme", True, False]["state"], per_rank[3, "nvme", True, True]["state"]
+        unclipped = per_rank[3, "nvme", False, False]["state"]
+        for name, value in kept.items():
+            assert torch.equal(freed[name], value), name
+        assert any(not torch.equal(unclipped[name], value) for name, value in kept.items())  # the clip is active
 
 
 def test_nvme_path_stays_empty(fp32: tuple[int, list[dict[str, Any]]]) -> None:
@@ -317,6 +365,58 @@ def test_an_io_error_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
     assert "reading the unlinked swap file of rank 1 in" in messages[1], messages
     assert "at offset" in messages[1]
     assert "[errno 5 EIO]" in messages[1]
+
+
+def _norms_after_a_step_that_raised(rank: int, world_size: int, directory: str) -> dict[bool, tuple[float, float]]:
+    """Everything on NVMe (stage 3), clipped to a norm of 0.05, ``free_gradients_after_step`` off and on: rank 1's
+    first read of optimizer state in the step fails, so every rank raises after rank 0 stepped every store. Per
+    option: the norm before clipping, and the norm of the gradients after the failure (those torch would leave:
+    clipped)."""
+    from lightning_zero.core.engine import ZeroEngine
+    from lightning_zero.core.options import EngineOptions
+    from lightning_zero.core.store.swap import SwapIOError
+
+    def failing(store: DiskStore, optimizer: torch.optim.Optimizer) -> Any:
+        raise SwapIOError("a read of optimizer state failed (injected)")
+
+    norms = {}
+    for free in (False, True):
+        torch.manual_seed(0)
+        model = TinyLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        options = EngineOptions(
+            stage=3,
+            offload_optimizer="nvme",
+            offload_params="nvme",
+            nvme_path=directory,
+            free_gradients_after_step=free,
+        )
+        engine = ZeroEngine(model, [optimizer], options, Communicator())
+        engine.begin_iteration()
+        loss_fn(model, *batch(rank)).backward()
+        before = float(engine.step_of(optimizer).clip_grad_norm_(0.05))
+        real = DiskStore.page_in
+        if rank == 1:
+            DiskStore.page_in = failing  # type: ignore[method-assign]
+        try:
+            optimizer.step()
+        except SwapIOError:
+            pass
+        finally:
+            DiskStore.page_in = real  # type: ignore[method-assign]
+        after = float(engine.step_of(optimizer).clip_grad_norm_(1e9))
+        norms[free] = (before, after)
+        engine.release()
+    return norms
+
+
+def test_a_step_that_raised_leaves_the_clipped_gradients_with_or_without_the_free(tmp_path: Path) -> None:
+    """A free after the step skips writing clipped gradient shards back (see [Note: the write a free makes
+    needless]); a step that raises before that free leaves the gradients clipped all the same, as torch does."""
+    for rank, norms in enumerate(run_on_ranks(_norms_after_a_step_that_raised, 2, str(tmp_path))):
+        for free, (before, after) in norms.items():
+            assert before > 0.1, (rank, free, before)  # the clip is active
+            assert abs(after - 0.05) < 1e-5, (rank, free, after)
 
 
 def _odd_uses(rank: int, world_size: int, directory: str, stage: int) -> dict[str, Any]:

@@ -94,9 +94,10 @@ class GradBucket(ABC):
         """Where the gradients are reduced (the device collectives run on)."""
         return self.buffer.data.device
 
-    def settle(self, write: bool = True) -> None:
-        """Let a gradient shard that rests on disk leave memory (see :class:`ShardGradBucket`); a no-op here."""
-        return
+    def settle(self, write: bool = True) -> bool:
+        """Let a gradient shard that rests on disk leave memory (see :class:`ShardGradBucket`); a no-op here.
+        Returns whether the held values are what rests (here: they never leave memory)."""
+        return True
 
     def read_ahead(self) -> None:
         """Start reading a gradient shard that rests on disk (see :class:`ShardGradBucket`); a no-op here."""

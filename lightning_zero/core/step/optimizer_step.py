@@ -126,6 +126,7 @@ class OptimizerStep:
         self.step_grads.entries = self.entries
         self._managed = {id(entry.param) for entry in self.entries}
         self._freed_after_step = self._managed - shared
+        self.step_grads.freed_after_step = self._freed_after_step if self.free_after_step else frozenset()
         self._buffers = list({id(e.store.buffer): e.store.buffer for e in self.entries}.values())
         self._stores = list({id(e.store): e.store for e in self.entries}.values())
 
@@ -291,6 +292,7 @@ class OptimizerStep:
                     entry.param.grad = None
                 for buffer in self._buffers:
                     buffer.restore_param_views()
+            self.step_grads.paged.rewind()
             self.state = StepState.PREPARED
 
     def discard(self) -> None:

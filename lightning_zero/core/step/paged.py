@@ -11,11 +11,20 @@ once applied, the clipped values go back into the held gradient (torch keeps a c
 transform reaches each gradient exactly once, in the step or, for a step that does not come, when it is dropped.
 Held gradients that rest on disk (see :class:`~lightning_zero.core.step.shard_bucket.ShardGradBucket`) are read for
 their store's turn and go back to disk after it.
+
+[Note: the write a free makes needless]
+A held gradient resting on disk that a step changed (clipped, or divided by the loss scale and multiplied back) is
+written back after its store's turn, so that what rests is what torch would leave in ``grad``. With
+``free_gradients_after_step`` the end of the step empties it (see [Note: freeing gradients after the step]), so
+that write is needless where every live gradient of the bucket is emptied: the store's turn in the step leaves what
+rests as it was (a gradient shard's bytes fewer to write per step: 2 or 4 an element). Each group counts the
+transforms that what rests carries (``rested``); a step that raises after some turns (an I/O error) makes the
+held gradients that again (:meth:`PagedStepGrads.rewind`), so a retried step applies those transforms again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence, Set
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +48,8 @@ class PagedGroup:
     indices: list[int]
     entries: list[StepEntry]
     applied: int = 0  # how many transforms the held gradients already carry
+    rested: int = 0  # how many of them what rests on disk carries (see [Note: the write a free makes needless])
+    emptied_after: bool = False  # the step's end empties every live gradient of the group's bucket
 
 
 @dataclass
@@ -61,7 +72,7 @@ class PagedStepGrads:
         scale: what the held gradients are divided by.
     """
 
-    def __init__(self, entries: Sequence[StepEntry], scale: float | None) -> None:
+    def __init__(self, entries: Sequence[StepEntry], scale: float | None, freed: Set[int] = frozenset()) -> None:
         self.scale = scale
         self.transforms: list[Transform] = []
         groups: dict[int, PagedGroup] = {}
@@ -70,6 +81,9 @@ class PagedStepGrads:
                 group = groups.setdefault(id(entry.store), PagedGroup([], []))
                 group.indices.append(index)
                 group.entries.append(entry)
+        for group in groups.values():
+            emptied = {e.slot for e in group.entries if id(e.param) in freed}
+            group.emptied_after = all(slot in emptied for slot, live in enumerate(group.entries[0].bucket.live) if live)
         self.groups = list(groups.values())
 
     def __bool__(self) -> bool:
@@ -84,12 +98,22 @@ class PagedStepGrads:
                 transform(grad)
         return grads
 
-    def drop(self, group: PagedGroup, grads: list[Tensor]) -> None:
-        """End ``grads`` of ``group``: newly applied transforms stay in the held gradients."""
+    def drop(self, group: PagedGroup, grads: list[Tensor], stepped: bool = False) -> None:
+        """End ``grads`` of ``group``: newly applied transforms stay in the held gradients. ``stepped``: the
+        optimizer just stepped on them (see [Note: the write a free makes needless])."""
         clipped = group.applied < len(self.transforms)
+        changed = clipped or self.scale is not None
         group.entries[0].store.release(self._held(group), grads, clipped, self.scale)
         group.applied = len(self.transforms)
-        group.entries[0].bucket.settle(write=clipped or self.scale is not None)
+        rests = group.entries[0].bucket.settle(write=changed and not (stepped and group.emptied_after))
+        if rests or not changed:
+            group.rested = group.applied
+
+    def rewind(self) -> None:
+        """The step raised after some groups were dropped: their held gradients are what rests on disk, so the
+        transforms not written with them reach them again when they are next made."""
+        for group in self.groups:
+            group.applied = group.rested
 
     def each(self) -> Iterator[tuple[list[int], list[Tensor]]]:
         """Every group's indices and step gradients, one group at a time."""
@@ -111,7 +135,7 @@ class PagedStepGrads:
                 group.entries[0].store,
                 [(e.param, e.slot) for e in group.entries],
                 lambda group=group: self.make(group),
-                lambda grads, group=group: self.drop(group, grads),
+                lambda grads, group=group: self.drop(group, grads, stepped=True),
                 group.entries[0].bucket.read_ahead,
             )
             for group in self.groups

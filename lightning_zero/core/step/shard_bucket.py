@@ -73,15 +73,18 @@ class ShardGradBucket(GradBucket):
     def _shape(self) -> tuple[torch.dtype, int]:
         return self.buffer.data.dtype, self.buffer.shard_numel
 
-    def settle(self, write: bool = True) -> None:
+    def settle(self, write: bool = True) -> bool:
         """``resting``: the shard goes to its region and leaves memory; a no-op otherwise. ``write=False``: the
-        caller did not change it, so a shard read from its region and not changed since is not written again."""
+        caller did not change it (or drops what it changed), so a shard read from its region and not changed by the
+        bucket since is not written again. Returns whether what rests is the shard as it was in memory."""
         self._wait_reading()
         if self.resting is None or self._shard_grad is None:
-            return
-        if write or not self._clean:
+            return True
+        wrote = write or not self._clean
+        if wrote:
             self.resting[0].put(self._shard_grad)
         self._shard_grad, self._on_disk, self._clean = None, True, False
+        return wrote
 
     def _wait_reading(self) -> None:
         """Let a read-ahead finish (its buffer is dropped): never leave a read writing into freed memory."""

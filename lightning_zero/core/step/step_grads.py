@@ -5,7 +5,7 @@ optimizer_step.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 
 import torch
 from torch import Tensor
@@ -37,6 +37,7 @@ class StepGrads:
 
     def __init__(self) -> None:
         self.entries: list[StepEntry] = []
+        self.freed_after_step: Set[int] = frozenset()  # ids of parameters whose gradients the step's end empties
         self.scale: float | None = None  # what the held gradients were divided by
         self.clipped = False
         self.made = []
@@ -56,7 +57,7 @@ class StepGrads:
             for index, grad in zip(indices, made, strict=True):
                 grads[index] = grad
         self.made = grads
-        self.paged = PagedStepGrads(self.entries, scale)  # see [Note: paged step gradients]
+        self.paged = PagedStepGrads(self.entries, scale, self.freed_after_step)  # see [Note: paged step gradients]
         self.scale, self.clipped = scale, False
 
     def _held(self, index: int) -> Tensor:
