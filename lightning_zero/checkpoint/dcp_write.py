@@ -135,7 +135,7 @@ class _LazySavePlanner(DefaultSavePlanner):
         total: int,
         progress: Callable[[int, int], None] | None,
     ) -> None:
-        super().__init__(dedup_replicated_tensors=False)
+        super().__init__()
         self.checkpoint, self.sources, self.total, self.progress = checkpoint, sources, total, progress
         self.aliases: dict[str, str] = {}
         self.written = 0

@@ -11,6 +11,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from lightning_zero.checkpoint.dcp_layout import is_dcp_checkpoint
+
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 LIGHTNING_FILE = "lightning.pt"
@@ -97,6 +99,12 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
     if not directory.is_dir():
         raise CheckpointError(f"{where} is not a directory: pass the directory that a sharded save wrote.")
     path = directory / METADATA_FILE
+    if not path.is_file() and is_dcp_checkpoint(directory):
+        raise CheckpointError(
+            f"{where} is a torch.distributed.checkpoint (DCP) directory, not a lightning_zero sharded checkpoint: "
+            "resume from it with trainer.fit(model, ckpt_path=...) under ZeroStrategy, or read it with "
+            "torch.distributed.checkpoint.load."
+        )
     if not path.is_file():
         raise CheckpointError(
             f"{where} has no {METADATA_FILE}: it is not a lightning_zero sharded checkpoint, or its save did not "

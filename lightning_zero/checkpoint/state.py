@@ -56,7 +56,7 @@ def collect_rank_state(state: NamedState, rank: int, optimizers: bool = True, vi
         kept = prepare(tensors)
         saved = {name: {k: kept.get((name, k), v) for k, v in values.items()} for name, values in held.items()}
         hyper = state.optimizer_hyperparameters(index)
-        optimizer_states.append({"state": saved, "param_groups": hyper, "whole": state.whole_state_keys(index)})
+        optimizer_states.append({"state": saved, "param_groups": hyper, "whole": state.whole_state_keys(index, held)})
     return {"params": prepare(params), "optimizers": optimizer_states}
 
 

@@ -174,16 +174,17 @@ class NamedState:
             if states.get(id(p))
         }
 
-    def whole_state_keys(self, index: int) -> dict[str, list[str]]:
-        """Per parameter name, the keys of optimizer ``index``'s state that is neither scalar nor element-wise
-        (Adafactor's row and column factors): only whole-tensor owners have such state, saved whole by the owner."""
+    def whole_state_keys(self, index: int, states: Mapping[str, dict[str, Any]]) -> dict[str, list[str]]:
+        """Per parameter name, the keys of optimizer ``index``'s ``states`` (:meth:`optimizer_shard_state`'s: state
+        paged from NVMe rests in the swap file, the optimizer holding placeholders) that are neither scalar nor
+        element-wise (Adafactor's row and column factors): only whole-tensor owners have such state, saved whole
+        by the owner."""
         model = self._model
-        optimizer = model.optimizers[index]
         found = {}
         for entry in model.steps[index].entries:
             if not entry.store.buffer.layout.whole_tensors:
                 continue  # flat pieces: element-wise state only (see [Note: the element-wise probe])
-            state = optimizer.state.get(entry.param) or {}
+            state = states.get(model.names[entry.param]) or {}
             shape = entry.param.shape
             keys = sorted(k for k, v in state.items() if not is_scalar_state(v) and not param_shaped(v, shape))
             if keys:

@@ -1,8 +1,9 @@
 """Sharded checkpoints between partition="parameter" and "flat", at other world sizes and stages.
 
-Element-wise state (AdamW) moves both ways; Adafactor's row and column factors, saved whole by their owner, resume
-with partition="parameter" at another world size and stage, and give a clear error under "flat". Three spawns:
-2 ranks save, 3 ranks load and save, 2 ranks load.
+Element-wise state (AdamW) moves both ways, also saved with the optimizer paged from NVMe (its state rests in the
+swap file, not in the optimizer); Adafactor's row and column factors, saved whole by their owner, resume with
+partition="parameter" at another world size and stage, and give a clear error under "flat". Three spawns: 2 ranks
+save, 3 ranks load and save, 2 ranks load.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from tests.distributed.models import TinyLM, batch, loss_fn
 from tests.helpers import run_on_ranks
 
 
-def _engine(stage: int, partition: str, optimizer_name: str, seed: int = 0) -> Any:
+def _engine(stage: int, partition: str, optimizer_name: str, seed: int = 0, offload: str | bool = False) -> Any:
+    import tempfile
+
     from lightning_zero.core.comm import Communicator
     from lightning_zero.core.engine import ZeroEngine
     from lightning_zero.core.options import EngineOptions
@@ -29,7 +32,14 @@ def _engine(stage: int, partition: str, optimizer_name: str, seed: int = 0) -> A
     optimizer_class = {"adamw": torch.optim.AdamW, "adafactor": torch.optim.Adafactor}[optimizer_name]
     optimizer = optimizer_class(params, lr=1e-2, weight_decay=0.05)
     policy = {nn.Linear} if stage == 3 else None
-    options = EngineOptions(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy, partition=partition)
+    options = EngineOptions(
+        stage=stage,
+        bucket_cap_mb=0.0005,
+        wrap_policy=policy,
+        partition=partition,
+        offload_optimizer=offload,
+        nvme_path=tempfile.mkdtemp(prefix="lz-partition-") if offload == "nvme" else None,
+    )
     return ZeroEngine(model, [optimizer], options, Communicator())
 
 
@@ -67,10 +77,15 @@ def _load(engine: Any, path: Path) -> dict[str, Any] | str:
 
 
 def _first(rank: int, world_size: int, root: Path) -> dict[str, Any]:
-    """2 ranks: save by owner (stage 2, AdamW; stage 3, Adafactor)."""
+    """2 ranks: save by owner (stage 2, AdamW, in memory, offloaded and paged from NVMe; stage 3, Adafactor)."""
     out = {}
-    for name, stage, optimizer in (("owner_adamw", 2, "adamw"), ("owner_adafactor", 3, "adafactor")):
-        engine = _engine(stage, "parameter", optimizer)
+    for name, stage, optimizer, offload in (
+        ("owner_adamw", 2, "adamw", False),
+        ("owner_adamw_cpu", 2, "adamw", "cpu"),
+        ("owner_adamw_nvme", 2, "adamw", "nvme"),
+        ("owner_adafactor", 3, "adafactor", False),
+    ):
+        engine = _engine(stage, "parameter", optimizer, offload=offload)
         _train(engine, rank)
         _save(engine, root / name, "parameter")
         out[name] = _full(engine)
@@ -81,6 +96,7 @@ def _second(rank: int, world_size: int, root: Path) -> dict[str, Any]:
     """3 ranks: load by owner into flat stage 3 and into owners at stage 1; save a flat stage-3 run."""
     out: dict[str, Any] = {
         "owner_adamw->flat3": _load(_engine(3, "flat", "adamw", seed=1), root / "owner_adamw"),
+        "owner_adamw_nvme->flat3": _load(_engine(3, "flat", "adamw", seed=1), root / "owner_adamw_nvme"),
         "owner_adafactor->owner1": _load(_engine(1, "parameter", "adafactor", seed=1), root / "owner_adafactor"),
     }
     engine = _engine(3, "flat", "adamw")
@@ -127,6 +143,7 @@ def _assert_same(saved: dict[str, Any], loaded: dict[str, Any] | str) -> None:
     ("saved_in", "saved", "loaded_in", "loaded"),
     [
         ("first", "owner_adamw", "second", "owner_adamw->flat3"),
+        ("first", "owner_adamw_nvme", "second", "owner_adamw_nvme->flat3"),
         ("first", "owner_adafactor", "second", "owner_adafactor->owner1"),
         ("second", "flat_adamw", "third", "flat_adamw->owner1"),
     ],
@@ -137,6 +154,26 @@ def test_resume_across_partitions_world_sizes_and_stages(
     reference = runs[saved_in][0][saved]
     for per_rank in runs[loaded_in]:
         _assert_same(reference, per_rank[loaded])
+
+
+def test_owner_state_paged_from_nvme_is_the_state_in_memory(runs: dict[str, list[Any]]) -> None:
+    """The full state of the run paged from NVMe equals the run offloaded to the CPU's (the same host step), in the
+    parameters' shapes."""
+    for per_rank in runs["first"]:
+        _assert_same(per_rank["owner_adamw_cpu"], per_rank["owner_adamw_nvme"])
+
+
+@pytest.mark.parametrize("saved", ["owner_adamw", "owner_adamw_cpu", "owner_adamw_nvme"])
+def test_consolidated_owner_checkpoint_holds_state_in_the_parameters_shapes(
+    runs: dict[str, list[Any]], tmp_path_factory: pytest.TempPathFactory, saved: str
+) -> None:
+    import lightning_zero
+
+    out = tmp_path_factory.mktemp("consolidated") / f"{saved}.ckpt"
+    lightning_zero.consolidate(Path(runs["root"]) / saved, out)
+    consolidated = torch.load(out, weights_only=False)
+    reference = runs["first"][0][saved]
+    _assert_same(reference, {"params": consolidated["state_dict"], "optimizer": consolidated["optimizer_states"][0]})
 
 
 def test_consolidated_adafactor_checkpoint_holds_the_whole_factors(

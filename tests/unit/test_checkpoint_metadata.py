@@ -97,6 +97,15 @@ def test_a_file_is_not_a_sharded_checkpoint(tmp_path: Path) -> None:
         read_metadata(tmp_path / "missing")
 
 
+def test_a_dcp_directory_is_named_as_one(tmp_path: Path) -> None:
+    """A torch.distributed.checkpoint directory (``convert``'s output, or FSDP2's) handed to ``convert`` or
+    ``consolidate`` says what it is and how to use it."""
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"is a torch\.distributed\.checkpoint \(DCP\) directory.*ckpt_path"):
+        read_metadata(tmp_path / "dcp")
+
+
 def test_consolidate_into_a_directory_says_to_pass_a_file(tmp_path: Path) -> None:
     """consolidate writes one file: an output path that is a directory (the sharded one, say) is refused at once."""
     from lightning_zero.checkpoint import consolidate

@@ -44,18 +44,28 @@ def check_offload(target: str | bool, nvme_path: str | None, needed: int, comm: 
     """Raise on every rank if any rank cannot offload ``needed`` bytes to ``target``; warn about slow set-ups.
     Collective (``target`` is the same on every rank)."""
     problem = _nvme_problem(nvme_path, needed, comm) if target == "nvme" else _host_memory_problem(needed, comm)
-    problems = comm.all_gather_object(problem)
-    found = [(rank, text) for rank, text in enumerate(problems) if text]
+    answers = comm.all_gather_object((problem, socket.gethostname()))
+    found = [(rank, text) for rank, (text, _) in enumerate(answers) if text]
     if found:
         listed = "; ".join(f"rank {rank}: {text}" for rank, text in found)
         raise ValueError(f"offload_optimizer={target!r} cannot run: {listed}")
-    if torch.get_num_threads() == 1 and not _WARNED:
+    here = sum(host == socket.gethostname() for _, host in answers)
+    advice = single_thread_advice(torch.get_num_threads(), len(os.sched_getaffinity(0)), here)
+    if advice is not None and not _WARNED:
         _WARNED.append("threads")
-        warnings.warn(
-            "offload: this rank steps its optimizer on the CPU with a single thread (torchrun sets "
-            "OMP_NUM_THREADS=1); set OMP_NUM_THREADS to the cores per rank for a faster step.",
-            stacklevel=3,
-        )
+        warnings.warn(advice, stacklevel=3)
+
+
+def single_thread_advice(threads: int, cores: int, ranks_here: int) -> str | None:
+    """The warning for an offloaded optimizer stepping on one CPU thread where its rank has more cores (``cores``
+    usable by the process, shared by the ``ranks_here`` ranks of its host); ``None`` where one is all it has."""
+    per_rank = cores // max(ranks_here, 1)
+    if threads != 1 or per_rank < 2:
+        return None
+    return (
+        f"offload: this rank steps its optimizer on the CPU with a single thread, but its host has {cores} cores "
+        f"for {ranks_here} rank(s); set OMP_NUM_THREADS={per_rank} for a faster step (torchrun sets it to 1)."
+    )
 
 
 def _nvme_problem(path: str | None, needed: int, comm: Communicator) -> str | None:
