@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -235,25 +236,69 @@ def _setup_error(rank: int, world_size: int, shard_sizes: list[Any], ranks_per_n
     return "no error"
 
 
-@pytest.mark.parametrize(
-    ("world_size", "nodes", "shard_sizes", "ranks_per_node", "expected"),
-    [
-        (4, 2, [3, 3, 3, 3], None, r"ValueError: shard_size=3 does not divide world_size=4: pick a divisor of 4"),
-        (
-            4,
-            2,
-            [2, 2, 4, 2],
-            None,
-            r"RuntimeError: ranks disagree on ZeroStrategy options .*'shard_size' 2, rank 2 has 4",
-        ),
-        (6, 2, [2] * 6, None, r"ValueError: shard_size=2 does not fit nodes of 3 ranks: a shard group would straddle"),
-        (4, 1, [2] * 4, 2, r"ValueError: rank 2 has LOCAL_RANK=2, but shard groups of consecutive ranks assume"),
-    ],
-    ids=["not-a-divisor", "disagreeing", "straddles-nodes", "ranks-not-numbered-by-node"],
-)
+def _setup_errors(
+    rank: int, world_size: int, shard_size_lists: list[list[Any]], ranks_per_node: int | None
+) -> list[str]:
+    """:func:`_setup_error` for each list of per-rank shard sizes, one after another in the same processes."""
+    return [_setup_error(rank, world_size, sizes, ranks_per_node) for sizes in shard_size_lists]
+
+
+# id -> (world_size, nodes, per-rank shard_size, ranks_per_node, expected message); cases with the same world size and
+# node layout share one spawn.
+BAD_SHARD_SIZES: dict[str, tuple[int, int, list[Any], int | None, str]] = {
+    "not-a-divisor": (
+        4,
+        2,
+        [3] * 4,
+        None,
+        r"ValueError: shard_size=3 does not divide world_size=4: pick a divisor of 4",
+    ),
+    "disagreeing": (
+        4,
+        2,
+        [2, 2, 4, 2],
+        None,
+        r"RuntimeError: ranks disagree on ZeroStrategy options .*'shard_size' 2, rank 2 has 4",
+    ),
+    "straddles-nodes": (
+        6,
+        2,
+        [2] * 6,
+        None,
+        r"ValueError: shard_size=2 does not fit nodes of 3 ranks: a shard group would straddle",
+    ),
+    "ranks-not-numbered-by-node": (
+        4,
+        1,
+        [2] * 4,
+        2,
+        r"ValueError: rank 2 has LOCAL_RANK=2, but shard groups of consecutive ranks assume",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_shard_size_errors() -> Callable[[str], list[str]]:
+    """``errors(case)``: every rank's error for a case of ``BAD_SHARD_SIZES`` (one spawn per layout, when asked)."""
+    found: dict[str, list[str]] = {}
+
+    def errors(case: str) -> list[str]:
+        if case not in found:
+            world_size, nodes, _, ranks_per_node, _ = BAD_SHARD_SIZES[case]
+            same = [k for k, v in BAD_SHARD_SIZES.items() if (v[0], v[1], v[3]) == (world_size, nodes, ranks_per_node)]
+            lists = [BAD_SHARD_SIZES[k][2] for k in same]
+            per_rank = run_on_ranks(_setup_errors, world_size, lists, ranks_per_node, nodes=nodes, timeout_s=120)
+            for index, key in enumerate(same):
+                found[key] = [rank_errors[index] for rank_errors in per_rank]
+        return found[case]
+
+    return errors
+
+
+@pytest.mark.parametrize("case", list(BAD_SHARD_SIZES))
 def test_bad_shard_size_raises_the_same_error_on_every_rank(
-    world_size: int, nodes: int, shard_sizes: list[Any], ranks_per_node: int | None, expected: str
+    bad_shard_size_errors: Callable[[str], list[str]], case: str
 ) -> None:
-    errors = run_on_ranks(_setup_error, world_size, shard_sizes, ranks_per_node, nodes=nodes, timeout_s=120)
+    errors = bad_shard_size_errors(case)
     assert len(set(errors)) == 1, errors
-    assert re.match(expected, errors[0]), errors[0]
+    assert re.match(BAD_SHARD_SIZES[case][4], errors[0]), errors[0]
