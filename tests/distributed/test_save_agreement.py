@@ -33,8 +33,8 @@ def _saved(path: str, note: str, fail_on: int | None, where: str) -> dict[str, A
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = ZeroEngine(model, [optimizer], EngineOptions(stage=3), Communicator())
     rank = dist.get_rank()
+    real, real_commit = torch.save, sharded._commit
     if rank == fail_on and where == "write":
-        real = torch.save
 
         def full_disk(obj: object, file: object, *args: object, **kwargs: object) -> None:
             if str(getattr(file, "name", file)).endswith(f"rank_{rank}.pt"):  # a path, or a file object
@@ -53,13 +53,40 @@ def _saved(path: str, note: str, fail_on: int | None, where: str) -> dict[str, A
         sharded.save_sharded(engine.named_state(), path, {"note": note}, "test")
     except CheckpointError as error:
         return {"error": str(error), "seconds": time.monotonic() - started}
+    finally:
+        torch.save, sharded._commit = real, real_commit
     return {"ok": True}
 
 
-def _two_saves(rank: int, world_size: int, directory: str, fail_on: int | None, where: str) -> list[dict[str, Any]]:
-    path = str(Path(directory) / "ckpt")
+def _two_saves(directory: Path, fail_on: int | None, where: str) -> list[dict[str, Any]]:
+    path = str(directory / "ckpt")
     first = _saved(path, "first", None, where)
     return [first, _saved(path, "second", fail_on, where)]
+
+
+FAILURES = [(2, "write"), (0, "commit")]
+
+
+def _scenarios(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Every scenario of this file in one spawn, each in its own directory under ``root``."""
+    out: dict[str, Any] = {
+        f"{where}-{fail_on}": _two_saves(Path(root, where), fail_on, where) for fail_on, where in FAILURES
+    }
+    out["leftovers"] = _saved(str(Path(root, "leftovers", "ckpt")), "new", None, "")
+    out["plain"] = _saved(str(Path(root, "plain", "ckpt")), "new", None, "")
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("save_agreement")
+    for directory in ("write", "commit", "leftovers", "plain"):
+        (root / directory).mkdir()
+    for leftover in ("ckpt.tmp-deadbeef0000", "ckpt.old-deadbeef0000"):
+        (root / "leftovers" / leftover).mkdir()
+        (root / "leftovers" / leftover / "rank_0.pt").write_bytes(b"partial")
+    (root / "leftovers" / "ckpt.keep-me").mkdir()  # not a save's leftover
+    return root, run_on_ranks(_scenarios, WORLD_SIZE, str(root))
 
 
 def _note(path: Path) -> str:
@@ -68,12 +95,14 @@ def _note(path: Path) -> str:
     return ShardedCheckpoint(path).lightning_state()["note"]
 
 
-@pytest.mark.parametrize(("fail_on", "where"), [(2, "write"), (0, "commit")])
+@pytest.mark.parametrize(("fail_on", "where"), FAILURES)
 def test_a_failing_rank_fails_the_save_on_every_rank_and_keeps_the_previous_one(
-    tmp_path: Path, fail_on: int, where: str
+    scenarios: tuple[Path, list[dict[str, Any]]], fail_on: int, where: str
 ) -> None:
-    results = run_on_ranks(_two_saves, WORLD_SIZE, str(tmp_path), fail_on, where)
-    for rank, (first, second) in enumerate(results):
+    root, results = scenarios
+    tmp_path = root / where
+    for rank, per_rank in enumerate(results):
+        first, second = per_rank[f"{where}-{fail_on}"]
         assert first == {"ok": True}, (rank, first)
         assert f"rank {fail_on}: " in second.get("error", ""), (rank, second)
         assert ("No space left on device" if where == "write" else "Permission denied") in second["error"]
@@ -84,24 +113,22 @@ def test_a_failing_rank_fails_the_save_on_every_rank_and_keeps_the_previous_one(
         assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
 
 
-def _save_over_leftovers(rank: int, world_size: int, directory: str) -> dict[str, Any]:
-    return _saved(str(Path(directory) / "ckpt"), "new", None, "")
-
-
-def test_the_next_save_removes_leftovers_of_interrupted_saves(tmp_path: Path) -> None:
-    for leftover in ("ckpt.tmp-deadbeef0000", "ckpt.old-deadbeef0000"):
-        (tmp_path / leftover).mkdir()
-        (tmp_path / leftover / "rank_0.pt").write_bytes(b"partial")
-    (tmp_path / "ckpt.keep-me").mkdir()  # not a save's leftover
-    assert all(result == {"ok": True} for result in run_on_ranks(_save_over_leftovers, WORLD_SIZE, str(tmp_path)))
+def test_the_next_save_removes_leftovers_of_interrupted_saves(scenarios: tuple[Path, list[dict[str, Any]]]) -> None:
+    root, results = scenarios
+    tmp_path = root / "leftovers"
+    assert all(per_rank["leftovers"] == {"ok": True} for per_rank in results)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.keep-me"]
     assert _note(tmp_path / "ckpt") == "new"
 
 
-def test_a_commit_interrupted_after_moving_the_old_copy_aside_loads_the_complete_copy(tmp_path: Path) -> None:
+def test_a_commit_interrupted_after_moving_the_old_copy_aside_loads_the_complete_copy(
+    scenarios: tuple[Path, list[dict[str, Any]]],
+) -> None:
     from lightning_zero.checkpoint.metadata import COMPLETE_FILE
 
-    run_on_ranks(_save_over_leftovers, WORLD_SIZE, str(tmp_path))
+    root, results = scenarios
+    assert all(per_rank["plain"] == {"ok": True} for per_rank in results)
+    tmp_path = root / "plain"
     path = tmp_path / "ckpt"
     # The moment between `path -> path.old-<id>` and `path.tmp-<id> -> path`: both copies are on disk.
     shutil.copytree(path, tmp_path / "ckpt.tmp-000000000001")
