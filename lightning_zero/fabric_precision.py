@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.precision_settings import ZeroPrecisionSettings
+from lightning_zero.precision_settings import ZeroPrecisionSettings, retains_graph
 
 
 class ZeroFabricPrecision(ZeroPrecisionSettings, Precision):
@@ -55,7 +55,7 @@ class ZeroFabricPrecision(ZeroPrecisionSettings, Precision):
         # Here, not in pre_backward: Fabric's strategy drops what pre_backward returns (its own AMP plugin scales here
         # too). The engine scales an fp16 loss and, at stage 3, announces the backward (see [Note: stage-3 backward
         # plan]).
-        self.scale_loss(tensor).backward(*args, **kwargs)
+        self.scale_loss(tensor, retains_graph(args, kwargs)).backward(*args, **kwargs)
 
     @override
     def post_backward(self, tensor: Tensor, module: nn.Module | None) -> Tensor:

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.precision_settings import SUPPORTED, ZeroPrecisionSettings
+from lightning_zero.precision_settings import SUPPORTED, ZeroPrecisionSettings, retains_graph
 
 __all__ = ["SUPPORTED", "ZeroPrecision", "unwrap_optimizer"]
 
@@ -57,6 +57,14 @@ class ZeroPrecision(ZeroPrecisionSettings, Precision):
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         return super().pre_backward(self.scale_loss(tensor), module)
+
+    @override
+    def backward(  # type: ignore[override]
+        self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        if retains_graph(args, kwargs):  # manual_backward(loss, retain_graph=True)
+            self.retain_announced_graph()
+        super().backward(tensor, model, optimizer, *args, **kwargs)
 
     @override
     def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]

@@ -127,9 +127,15 @@ class ZeroPrecisionSettings:
             yield
 
     # ------------------------------------------------------------------ backward
-    def scale_loss(self, tensor: Tensor) -> Tensor:
-        """The loss to call backward on (fp16: scaled by the engine's scaler)."""
-        return self._engine.scale_loss(tensor) if self._engine is not None else tensor
+    def scale_loss(self, tensor: Tensor, retain_graph: bool = False) -> Tensor:
+        """The loss to call backward on (fp16: scaled by the engine's scaler); ``retain_graph``: that backward keeps
+        its graph (see [Note: a retained graph])."""
+        return self._engine.scale_loss(tensor, retain_graph) if self._engine is not None else tensor
+
+    def retain_announced_graph(self) -> None:
+        """The backward announced by :meth:`scale_loss` keeps its graph (see [Note: a retained graph])."""
+        if self._engine is not None:
+            self._engine.backward.retain_announced()
 
     def finish_backward(self) -> None:
         """After every backward: a rank whose loss reached no trainable parameter ran no hook and joins the end of
@@ -149,3 +155,14 @@ class ZeroPrecisionSettings:
         if self._engine is None:
             raise RuntimeError(f"{type(self).__name__} has no engine: the optimizer step runs only {where}.")
         return self._engine
+
+
+_BACKWARD_ARGS = ("gradient", "retain_graph", "create_graph", "inputs")
+
+
+def retains_graph(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``Tensor.backward(*args, **kwargs)`` keeps its graph (``retain_graph``, which defaults to
+    ``create_graph``)."""
+    given = dict(zip(_BACKWARD_ARGS, args, strict=False)) | kwargs
+    retain = given.get("retain_graph")
+    return bool(given.get("create_graph", False)) if retain is None else bool(retain)

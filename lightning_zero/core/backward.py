@@ -52,6 +52,7 @@ class BackwardPass:
         self._end_queued = False
         self._ended = False  # the end of backward ran from autograd; finish() consumes it
         self._roots: list[object] = []  # the grad_fn of the loss given to scale_loss, until backward ends
+        self._retain = False  # the announced backward keeps its graph (see [Note: a retained graph])
         self._reached: set[int] | None = None  # leaves its graph reaches, once asked (see _passed_over)
 
     def add_buckets(self, buckets: Sequence[GradBucket]) -> None:
@@ -81,13 +82,14 @@ class BackwardPass:
         """Forget a backward pass that raised. See [Note: bucket state]."""
         self.reducer.reset()
         self.model.scheduler.abandon_backward()
-        self._end_queued = self._ended = False
+        self._end_queued = self._ended = self._retain = False
         self._roots, self._reached = [], None
 
-    def scale_loss(self, loss: Tensor) -> Tensor:
+    def scale_loss(self, loss: Tensor, retain_graph: bool = False) -> Tensor:
         """The loss to call ``backward()`` on: times the fp16 loss scale. A backward that raised since the last one
         is forgotten here, so a retry inside the same iteration starts clean, and prepared steps are stale (the
-        backward changes the held gradients)."""
+        backward changes the held gradients). ``retain_graph``: the backward keeps its graph for another one (see
+        [Note: a retained graph])."""
         scheduler = self.model.scheduler
         if (
             self._end_queued
@@ -98,12 +100,17 @@ class BackwardPass:
         for step in self.model.steps:
             step.discard()
         scheduler.open_plan()  # see [Note: stage-3 backward plan]
+        self._retain = retain_graph
         self._roots, self._reached = [loss.grad_fn], None  # see [Note: units a backward passes over]
         scaler = self.scaling.scaler
         if scaler is None:
             return loss
         self.scaling.backward_scale = scaler.scale  # every optimizer stepped on these gradients unscales by it
         return loss * scaler.scale
+
+    def retain_announced(self) -> None:
+        """The backward announced by :meth:`scale_loss` keeps its graph (``retain_graph`` known only later)."""
+        self._retain = True
 
     def finish(self) -> None:
         """After every ``backward()``: where this rank's loss reached no trainable parameter, no hook ran, so the end
@@ -130,8 +137,8 @@ class BackwardPass:
         self.reducer.launch_remaining()
         scheduler.finish_backward()
         self.reducer.finish()
-        scheduler.end_backward()
-        self._roots, self._reached = [], None
+        scheduler.end_backward(retain=self._retain)
+        self._roots, self._reached, self._retain = [], None, False
 
     def passed_over(self, units: list[GatherUnit]) -> None:
         """Stage 3: this rank's backward issued the gathers of ``units`` on its way to a later unit; their trained

@@ -238,9 +238,9 @@ class ZeroEngine:
         self.model.groups.extend(groups)
         self.backward.add_buckets([group.bucket for group in groups if group.bucket is not None])
 
-    def scale_loss(self, loss: Tensor) -> Tensor:
-        """The loss to call ``backward()`` on (see :meth:`BackwardPass.scale_loss`)."""
-        return self.backward.scale_loss(loss)
+    def scale_loss(self, loss: Tensor, retain_graph: bool = False) -> Tensor:
+        """The loss to call ``backward()`` on, ``retain_graph`` as that backward's (:meth:`BackwardPass.scale_loss`)."""
+        return self.backward.scale_loss(loss, retain_graph)
 
     def finish_backward(self) -> None:
         """Call after every ``backward()`` (see :meth:`BackwardPass.finish`)."""

@@ -265,6 +265,37 @@ def _interleaved_case(rank: int, announced: bool) -> str:
     return "no error"
 
 
+def _retained_graph_case(rank: int, stage: int) -> float:
+    """Two losses of one forward, the first backward keeping the graph (``retain_graph=True``, announced with
+    ``scale_loss(loss, retain_graph=True)``): the parameters after the steps, against DDP stepping on the gradient
+    of the losses' sum (the same gradients, summed in another order)."""
+    torch.manual_seed(0)
+    initial = TinyLM()
+    reference = copy.deepcopy(initial)
+    ddp, ddp_optimizer = DistributedDataParallel(reference), _sgd(reference)
+    model = copy.deepcopy(initial)
+    optimizer = _sgd(model)
+    engine = _engine(model, optimizer, stage)
+
+    def losses(run: nn.Module, step: int) -> tuple[Tensor, Tensor]:
+        tokens, targets = batch(100 * step + rank)
+        logits = run(tokens)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits.square().mean()
+
+    for step in range(STEPS):
+        first, second = losses(ddp, step)
+        (first + second).backward()
+        ddp_optimizer.step()
+        ddp_optimizer.zero_grad()
+        first, second = losses(model, step)
+        engine.scale_loss(first, retain_graph=True).backward(retain_graph=True)
+        engine.scale_loss(second).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with engine.gathered():
+        return relative_difference(reference, model)
+
+
 def _unmatched_policy_case(rank: int) -> list[str]:
     """Stage 3 with a wrap_policy naming a class of another module (the ``__main__`` trap): the warnings raised
     while the engine is built; it then trains, the whole model one unit."""
@@ -289,6 +320,7 @@ def _all_cases(rank: int, world_size: int) -> dict[str, Any]:
         results[f"penalty_first/{stage}"] = _penalty_case(rank, world_size, stage, penalty_first=True)
         results[f"no_sync_zero_grad/{stage}"] = _no_sync_then_zero_grad_case(rank, stage)
         results[f"no_zero_grad/{stage}"] = _steps_without_zero_grad_case(rank, stage)
+        results[f"retained/{stage}"] = _retained_graph_case(rank, stage)
         for free, prepared_first in itertools.product((False, True), repeat=2):
             key = f"shared/{stage}/{free}/{prepared_first}"
             try:
@@ -380,3 +412,12 @@ def test_a_wrap_policy_that_matches_nothing_warns_once_on_every_rank(results: li
         assert message.startswith("wrap_policy={__main__.Block} matches no module"), f"rank {rank}: {message}"
         assert "tests.distributed.models.Block has the name of __main__.Block" in message, f"rank {rank}: {message}"
     assert results[0]["unmatched_policy"] == results[1]["unmatched_policy"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_second_backward_over_a_retained_graph(results: list[dict[str, Any]], stage: int) -> None:
+    """``backward(retain_graph=True)`` then a second backward over the same forward: at stage 3 the second gathers
+    the units again (the plan kept for it, see [Note: a retained graph]). Equal to DDP."""
+    for rank, result in enumerate(results):
+        difference = result[f"retained/{stage}"]
+        assert difference <= RTOL, f"rank {rank}: {difference:.2e}"

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroFabricStrategy, ZeroStrategy
-from tests.distributed.models import TinyLM, batch, loss_fn
+from tests.distributed.models import VOCAB, TinyLM, batch, loss_fn
 from tests.distributed.parity import relative_difference
 from tests.lightning.models import make_trainer
 
@@ -380,9 +380,41 @@ def error_runs(rank: int, world_size: int, separate_two: dict[int, dict[str, Ten
     return out
 
 
+def retained_runs(rank: int, world_size: int) -> dict[str, Any]:
+    """Two losses of one forward, ``fabric.backward(l1, retain_graph=True)`` then ``fabric.backward(l2)``, under
+    Fabric's DDP and stages 1-3: parameters relative to DDP's. DDP reduces a second backward of one forward only
+    when its reducer is armed again before it, as Lightning's DDPStrategy does for ``manual_backward``; Fabric's
+    does not, so the reference does it here."""
+    from lightning.pytorch.overrides.distributed import prepare_for_backward
+
+    initial, params = TinyLM(), {}
+    for stage in ("ddp", *STAGES):
+        fabric = launched(world_size, DDPStrategy() if stage == "ddp" else zero_strategy(stage))
+        model = copy.deepcopy(initial)
+        wrapped, optimizers = set_up(fabric, model, "one", False)
+
+        def backward(
+            loss: Tensor, stage: Any = stage, wrapped: Any = wrapped, fabric: Fabric = fabric, **kwargs: Any
+        ) -> None:
+            if stage == "ddp":
+                prepare_for_backward(wrapped._forward_module, loss)
+            fabric.backward(loss, **kwargs)
+
+        for step in range(STEPS):
+            tokens, targets = micro_batch(step, 0, rank)
+            logits = wrapped(tokens)
+            backward(nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)), retain_graph=True)
+            backward(logits.square().mean())
+            optimizers[0].step()
+            optimizers[0].zero_grad()
+        params[stage] = full_params(fabric, model)
+    return {f"retained/stage{stage}": relative(params["ddp"], params[stage]) for stage in STAGES}
+
+
 def run_all(rank: int, world_size: int) -> dict[str, Any]:
     """One spawn: every run of this module."""
     results, separate_two = fp32_runs(rank, world_size)
+    results.update(retained_runs(rank, world_size))
     results.update(bf16_runs(rank, world_size))
     results.update(init_module_runs(rank, world_size))
     results.update(error_runs(rank, world_size, separate_two))

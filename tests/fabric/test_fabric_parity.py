@@ -61,6 +61,13 @@ def test_fp32_equals_fabric_ddp(results: list[dict[str, Any]], stage: int, kind:
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_two_backwards_over_a_retained_graph_equal_fabric_ddp(results: list[dict[str, Any]], stage: int) -> None:
+    """``fabric.backward(l1, retain_graph=True); fabric.backward(l2)`` over one forward: at stage 3 the second
+    backward gathers the units again (see [Note: a retained graph])."""
+    assert _each_rank(results, f"retained/stage{stage}") == pytest.approx([0.0] * len(results), abs=TOLERANCE)
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_free_gradients_after_step_equals_fabric_ddp_and_frees_each_optimizers_own(
     results: list[dict[str, Any]], stage: int
 ) -> None:

@@ -91,6 +91,32 @@ class DetachedUse(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class TwoLossesRetained(pl.LightningModule):
+    """Manual optimization with two losses of one forward: ``manual_backward(l1, retain_graph=True)``, then
+    ``manual_backward(l2)`` over the same graph through every stage-3 unit; then a forward whose one backward also
+    asks to retain its graph, which nothing uses again (the next forward drops it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)])
+        self.head = nn.Linear(4, 2)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        out = self.head(self.blocks(batch[0]))
+        self.manual_backward(nn.functional.mse_loss(out[:, :1], batch[1]), retain_graph=True)
+        self.manual_backward(out[:, 1].square().mean())
+        out = self.head(self.blocks(batch[0] * 0.5))
+        self.manual_backward(nn.functional.mse_loss(out[:, 1:], batch[1]), retain_graph=True)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
 class Saliency(pl.LightningModule):
     """Validation computes an input gradient (a saliency map) with ``torch.autograd.grad``: a backward through
     every stage-3 unit that no ``manual_backward`` announced."""

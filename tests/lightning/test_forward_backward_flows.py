@@ -9,6 +9,9 @@
   no backward announced) works batch after batch and equals stage 2's.
 - BatchNorm statistics under gradient accumulation equal DDP's on every rank (DDP broadcasts rank 0's buffers
   only in the forwards that reduce).
+- Two losses of one forward, the first ``manual_backward`` with ``retain_graph=True``: the second backward gathers
+  the stage-3 units again (they were freed at the end of the first); a retained graph nothing uses again is dropped
+  by the next forward.
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroStrategy
 from tests.helpers import run_on_ranks
-from tests.lightning.flow_models import DetachedUse, RootGAN, Saliency, WithBatchNorm, gan_loader, regression_loader
+from tests.lightning.flow_models import (
+    DetachedUse,
+    RootGAN,
+    Saliency,
+    TwoLossesRetained,
+    WithBatchNorm,
+    gan_loader,
+    regression_loader,
+)
 from tests.lightning.models import make_trainer, max_rel_diff, result_of, state_of
 
 WORLD_SIZE = 2
@@ -33,6 +44,7 @@ CASES: dict[str, tuple[type, Any, dict[str, Any]]] = {  # name -> (model, loader
     "detached_use": (DetachedUse, regression_loader, {"max_steps": 3}),
     "saliency": (Saliency, regression_loader, {"max_steps": 2, "limit_val_batches": 2, "val_check_interval": 1}),
     "batch_norm_accumulate": (WithBatchNorm, regression_loader, {"max_steps": 2, "accumulate_grad_batches": 2}),
+    "two_losses_retained": (TwoLossesRetained, regression_loader, {"max_steps": 3}),
 }
 
 
@@ -74,7 +86,7 @@ def runs() -> list[dict[tuple[str, Any], Any]]:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("name", ["gan_root", "detached_use", "batch_norm_accumulate"])
+@pytest.mark.parametrize("name", ["gan_root", "detached_use", "batch_norm_accumulate", "two_losses_retained"])
 def test_trains_like_ddp(runs: list[dict[tuple[str, Any], Any]], name: str, stage: int) -> None:
     """Parameters and buffers (BatchNorm statistics included) after fit equal DDP's on every rank."""
     for rank, per_rank in enumerate(runs):

@@ -40,7 +40,7 @@ class NoScheduler:
     def finish_backward(self) -> None:
         pass
 
-    def end_backward(self) -> None:
+    def end_backward(self, retain: bool = False) -> None:
         pass
 
     def gradients_complete(self, unit: GatherUnit) -> None:

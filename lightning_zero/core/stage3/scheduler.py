@@ -17,6 +17,18 @@ raises instead of gathering out of order. A backward no plan announced (``torch.
 as a gradient penalty or a saliency map computes, or a loop that does not call ``scale_loss``) gathers each
 unit when it needs it, as it comes: every rank must then reach the same units.
 
+[Note: a retained graph]
+A backward with ``retain_graph=True`` (or ``create_graph=True``) may be followed by another backward over the same
+graph (two losses of one forward: ``backward(l1, retain_graph=True); backward(l2)``). Its units were freed at its end,
+so that next backward must gather them again, in the same order on every rank: the backward's plan entries become
+the recorded units again (and the hooks that tell where a backward is stay), so the next announced backward opens the
+same plan. They are kept until the next forward: a graph retained but never used again costs nothing, and a
+retained graph used again after a new forward is refused as any backward of units without an entry. A backward
+over a retained graph must be announced, with ``retain_graph`` (``ZeroEngine.scale_loss(loss, retain_graph=True)``;
+Lightning's ``manual_backward`` and Fabric's ``backward`` pass it on): the hooks that tell a backward where it is are
+removed at the end of the backward they fired in unless it retained its graph (left in place, they would keep every
+graph's nodes alive, see :class:`GradHooks`), so an unannounced second backward would find no hook to gather for it.
+
 [Note: stage-3 prefetch]
 With ``overlap_comm=True`` the order in which units were gathered for forward in the last pass
 predicts the next unit: its all-gather starts as soon as the current one is gathered; in backward
@@ -84,6 +96,8 @@ class Stage3Scheduler:
         self._cursor = 0  # next entry of _plan to issue
         self._remaining: Counter[GatherUnit] = Counter()  # entries left per unit
         self._input_hooks: Counter[GatherUnit] = Counter()  # per unit, its forwards whose inputs need gradients
+        self._forward_inputs: Counter[GatherUnit] = Counter()  # the same as the forwards left them (retained graphs)
+        self._retained = False  # _recorded holds a retained graph's units (see [Note: a retained graph])
         self._pinned: set[GatherUnit] = set()  # reached by a create_graph backward: stay until the backward ends
         self._plan_open = False  # a backward was announced and has not ended
         self._root_held = False  # the caller uses root parameters across backward passes (see hold_root)
@@ -111,6 +125,7 @@ class Stage3Scheduler:
     def _clear_plan(self) -> None:
         self._plan_open = False
         self._plan, self._cursor, self._remaining, self._input_hooks = [], 0, Counter(), Counter()
+        self._forward_inputs = Counter()
         self._pinned = set()
 
     def register_hooks(self) -> None:
@@ -149,7 +164,7 @@ class Stage3Scheduler:
         """Free every unit and forget any plan: a pass that raised left it (see :meth:`abandon_backward`)."""
         self.sequence.begin_iteration()
         self.abandon_backward()
-        self._recorded = []
+        self._recorded, self._retained = [], False
         self._clear_plan()
         self.grad_hooks.remove(spent_only=False)  # forwards of earlier iterations get no backward any more
         self.forward_order.forget_pass()
@@ -234,6 +249,8 @@ class Stage3Scheduler:
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
                 if tensors:
+                    if not recomputing:
+                        self._drop_retained()
                     self.grad_hooks.on_first_gradient(tensors, lambda: self._need(unit))
                     if not recomputing and not unit.is_root:
                         self._recorded.append(unit)
@@ -253,6 +270,7 @@ class Stage3Scheduler:
         if inputs:
             self.grad_hooks.on_gradients(inputs, lambda: self._inputs_done(unit), mode="all")
             self._input_hooks[unit] += 1
+            self._forward_inputs[unit] += 1
 
     def _inputs_done(self, unit: GatherUnit) -> None:
         self._input_hooks[unit] = max(0, self._input_hooks[unit] - 1)
@@ -302,7 +320,10 @@ class Stage3Scheduler:
                 f"ZeroStrategy(stage=3): unit {unit.name!r} is needed by this backward pass, but no forward since the "
                 "last backward left an entry for it: every rank must gather the same units in the same order, so a "
                 "backward may only use units whose forward ran after the previous backward (e.g. not forward A, "
-                "forward B, backward A, backward B). Run each backward right after its forward, or use stage 2."
+                "forward B, backward A, backward B). Run each backward right after its forward, or use stage 2. "
+                "A second backward over a graph kept with retain_graph=True needs the first announced with it "
+                "(engine.scale_loss(loss, retain_graph=True); Lightning's manual_backward and Fabric's backward do "
+                "that)."
             )
         unit.wait()
 
@@ -336,17 +357,29 @@ class Stage3Scheduler:
             if not self._remaining[unit] and not unit.is_root and unit not in self._pinned:
                 unit.reshard()
 
-    def end_backward(self) -> None:
+    def end_backward(self, retain: bool = False) -> None:
         """After the reductions: free every unit (the root unless held, see :meth:`hold_root`); the next forward
-        records a new plan."""
+        records a new plan. ``retain``: the backward kept its graph, whose next backward needs its plan again (see
+        [Note: a retained graph])."""
         self._running_task = None
+        retained, inputs = list(reversed(self._plan)), self._forward_inputs
         self._clear_plan()
-        self.grad_hooks.remove(spent_only=True)
+        if retain:
+            self._recorded, self._retained = retained + self._recorded, True
+            self._input_hooks, self._forward_inputs = Counter(inputs), Counter(inputs)
+        else:
+            self.grad_hooks.remove(spent_only=True)
         for unit in self.units if not self._root_held else self.units[:-1]:
             unit.reshard()
         for unit in self.units:
             unit.drop_secondary()
         self.forward_order.end_pass()
+
+    def _drop_retained(self) -> None:
+        """A forward begins: a retained graph's entries are not kept past it."""
+        if self._retained:
+            self._recorded, self._retained = [], False
+            self._input_hooks, self._forward_inputs = Counter(), Counter()
 
 
 def _in_backward() -> bool:
