@@ -38,7 +38,6 @@ a time besides the root. A wrong guess costs memory for a while, never correctne
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -48,6 +47,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_zero.core.comm import Communicator
+from lightning_zero.core.stage3.backward_plan import BackwardPlan
 from lightning_zero.core.stage3.divergence import GatherSequence
 from lightning_zero.core.stage3.forward_order import ForwardOrder
 from lightning_zero.core.stage3.grad_hooks import GradHooks
@@ -91,15 +91,7 @@ class Stage3Scheduler:
         self._index = {unit: index for index, unit in enumerate(units)}
         device = next((b.data.device for u in units for b in u.buffers), torch.device("cpu"))
         self.sequence = GatherSequence(comm, [unit.name for unit in units], device)  # see its note
-        self._recorded: list[GatherUnit] = []  # units whose outputs need backward, in order of forward end
-        self._plan: list[GatherUnit] = []  # the current backward's entries (reversed _recorded)
-        self._cursor = 0  # next entry of _plan to issue
-        self._remaining: Counter[GatherUnit] = Counter()  # entries left per unit
-        self._input_hooks: Counter[GatherUnit] = Counter()  # per unit, its forwards whose inputs need gradients
-        self._forward_inputs: Counter[GatherUnit] = Counter()  # the same as the forwards left them (retained graphs)
-        self._retained = False  # _recorded holds a retained graph's units (see [Note: a retained graph])
-        self._pinned: set[GatherUnit] = set()  # reached by a create_graph backward: stay until the backward ends
-        self._plan_open = False  # a backward was announced and has not ended
+        self.plan = BackwardPlan()  # recorded units, the open backward's entries, what keeps each unit gathered
         self._root_held = False  # the caller uses root parameters across backward passes (see hold_root)
         self._running_task: int | None = None  # the autograd graph task now running through units, until it ends
         self.forward_order = ForwardOrder()  # the prefetch's guess
@@ -115,18 +107,12 @@ class Stage3Scheduler:
         """A backward raised: forget its plan and free what it gathered (not the root, which the step still uses);
         the entries recorded by a forward since then stay for the next backward."""
         self._running_task = None
-        if not self._plan_open:
+        if not self.plan.is_open:
             return
-        self._clear_plan()
+        self.plan.close()
         for unit in self.units[:-1]:
             unit.reshard()
             unit.drop_secondary()
-
-    def _clear_plan(self) -> None:
-        self._plan_open = False
-        self._plan, self._cursor, self._remaining, self._input_hooks = [], 0, Counter(), Counter()
-        self._forward_inputs = Counter()
-        self._pinned = set()
 
     def register_hooks(self) -> None:
         for unit in self.units:
@@ -164,8 +150,7 @@ class Stage3Scheduler:
         """Free every unit and forget any plan: a pass that raised left it (see :meth:`abandon_backward`)."""
         self.sequence.begin_iteration()
         self.abandon_backward()
-        self._recorded, self._retained = [], False
-        self._clear_plan()
+        self.plan.forget()
         self.grad_hooks.remove(spent_only=False)  # forwards of earlier iterations get no backward any more
         self.forward_order.forget_pass()
         for unit in self.units:
@@ -179,8 +164,7 @@ class Stage3Scheduler:
     def reshard_all(self) -> None:
         """Free every unit, the root too; a step (or an evaluation batch) is over. Forwards no backward followed
         leave no entries behind."""
-        if not self._plan_open:
-            self._recorded = []
+        self.plan.drop_unplanned()
         for unit in self.units:
             unit.reshard()
             unit.drop_secondary()
@@ -197,7 +181,7 @@ class Stage3Scheduler:
             yield
         finally:
             self._root_held = False
-            if not self._plan_open:
+            if not self.plan.is_open:
                 self.root.reshard()
 
     @contextmanager
@@ -250,10 +234,10 @@ class Stage3Scheduler:
                 tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
                 if tensors:
                     if not recomputing:
-                        self._drop_retained()
+                        self.plan.drop_retained()
                     self.grad_hooks.on_first_gradient(tensors, lambda: self._need(unit))
                     if not recomputing and not unit.is_root:
-                        self._recorded.append(unit)
+                        self.plan.record(unit)
                         self._hook_inputs(unit, args)
                         unit.keep_secondary()  # a plan entry: its backward gathers from the slices
             if not recomputing and not (unit.is_root and torch.is_grad_enabled()):
@@ -269,22 +253,18 @@ class Stage3Scheduler:
         inputs = [t for t in tree_leaves(args) if isinstance(t, Tensor) and t.requires_grad and t.grad_fn is not None]
         if inputs:
             self.grad_hooks.on_gradients(inputs, lambda: self._inputs_done(unit), mode="all")
-            self._input_hooks[unit] += 1
-            self._forward_inputs[unit] += 1
+            self.plan.inputs_hooked(unit)
 
     def _inputs_done(self, unit: GatherUnit) -> None:
-        self._input_hooks[unit] = max(0, self._input_hooks[unit] - 1)
-        if not self._input_hooks[unit] and not self._remaining[unit] and unit not in self._pinned:
+        if self.plan.inputs_done(unit):
             unit.reshard()
 
     # ------------------------------------------------------------------ backward
     def open_plan(self) -> None:
         """A backward is about to run (on every rank): the units recorded since the last plan, in reverse order."""
-        self._plan_open = True
-        self.sequence.check_plan([self._index[u] for u in self._recorded])  # [Note: divergent control flow at stage 3]
-        self._plan.extend(reversed(self._recorded))
-        self._remaining.update(self._recorded)
-        self._recorded = []
+        # every rank records the same units: [Note: divergent control flow at stage 3]
+        self.sequence.check_plan([self._index[u] for u in self.plan.recorded])
+        self.plan.open()
 
     def _track_pass(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -299,21 +279,21 @@ class Stage3Scheduler:
         penalty) reaches units too. The end of backward is queued by gradient hooks, or run by ``finish_backward``."""
         self._track_pass()
         if torch.is_grad_enabled():  # torch.autograd.grad(create_graph=True): its graph may use the unit again
-            self._pinned.add(unit)
+            self.plan.pin(unit)
         if unit.is_root:
             self._unshard(unit)
             return
-        if self._remaining[unit]:
+        if self.plan.has_entry(unit):
             passed = []
             while (issued := self._issue_next()) is not unit:
                 passed.append(issued)
             if passed:  # see [Note: units a backward passes over]
                 self.on_passed_over(passed)
-            if self.prefetch and self._cursor < len(self._plan):
+            if self.prefetch and self.plan.pending:
                 self._issue_next()
-                if self._cursor < len(self._plan) and not self._plan[self._cursor].holds_secondary:
-                    self._plan[self._cursor].read_ahead()
-        elif not self._plan_open:
+                if self.plan.pending and not self.plan.peek().holds_secondary:
+                    self.plan.peek().read_ahead()
+        elif not self.plan.is_open:
             self._unshard(unit, backward=True)  # no backward was announced: gathered when needed (see the note)
         elif not unit.gathered_or_pending:
             raise RuntimeError(
@@ -328,9 +308,7 @@ class Stage3Scheduler:
         unit.wait()
 
     def _issue_next(self) -> GatherUnit:
-        unit = self._plan[self._cursor]
-        self._cursor += 1
-        self._remaining[unit] -= 1
+        unit = self.plan.take()
         self._start(unit, check=False, backward=True)  # issues nothing when still gathered, on every rank alike
         return unit
 
@@ -342,8 +320,7 @@ class Stage3Scheduler:
         """Every trainable parameter of ``unit`` got its gradient in this pass: free it, if nothing else tells when
         its backward is over (its inputs need no gradient) and it holds nothing frozen (whose backward may come
         later) and no plan entry is left for it."""
-        busy = self._input_hooks[unit] or self._remaining[unit] or unit in self._pinned
-        if not (busy or unit.holds_frozen or unit.is_root):
+        if not (self.plan.keeps(unit) or unit.holds_frozen or unit.is_root):
             unit.reshard()
 
     def finish_backward(self) -> None:
@@ -351,10 +328,10 @@ class Stage3Scheduler:
         self._flush_plan()
 
     def _flush_plan(self) -> None:
-        while self._cursor < len(self._plan):
+        while self.plan.pending:
             unit = self._issue_next()
             unit.wait()
-            if not self._remaining[unit] and not unit.is_root and unit not in self._pinned:
+            if not (self.plan.has_entry_or_pin(unit) or unit.is_root):
                 unit.reshard()
 
     def end_backward(self, retain: bool = False) -> None:
@@ -362,24 +339,14 @@ class Stage3Scheduler:
         records a new plan. ``retain``: the backward kept its graph, whose next backward needs its plan again (see
         [Note: a retained graph])."""
         self._running_task = None
-        retained, inputs = list(reversed(self._plan)), self._forward_inputs
-        self._clear_plan()
-        if retain:
-            self._recorded, self._retained = retained + self._recorded, True
-            self._input_hooks, self._forward_inputs = Counter(inputs), Counter(inputs)
-        else:
+        self.plan.close(retain)
+        if not retain:
             self.grad_hooks.remove(spent_only=True)
         for unit in self.units if not self._root_held else self.units[:-1]:
             unit.reshard()
         for unit in self.units:
             unit.drop_secondary()
         self.forward_order.end_pass()
-
-    def _drop_retained(self) -> None:
-        """A forward begins: a retained graph's entries are not kept past it."""
-        if self._retained:
-            self._recorded, self._retained = [], False
-            self._input_hooks, self._forward_inputs = Counter(), Counter()
 
 
 def _in_backward() -> bool:
