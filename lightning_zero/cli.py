@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_zero.cli_config import apply_trainer_settings, read_model_section
 from lightning_zero.core.options import check_secondary_shard_size
 from lightning_zero.estimate import (
     OPTIMIZER_STATE_BYTES,
@@ -36,6 +37,7 @@ from lightning_zero.estimate import (
 )
 from lightning_zero.version import __version__
 
+_FROM_CONFIG = "; a --config's ZeroStrategy may set it"
 _COLUMNS = ("stage", "params", "gradients", "optimizer states", "offloaded", "total")
 
 
@@ -167,14 +169,16 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
         "--world-size", type=_positive_int, help="number of ranks (default: devices x num_nodes of --config's trainer)"
     )
     estimate.add_argument(
-        "--precision", choices=list(PRECISIONS), help="default: --config's trainer.precision, else 16-mixed"
+        "--precision",
+        choices=list(PRECISIONS),
+        help="default: --config's trainer.precision (Lightning's 32-true where it has none), else 16-mixed",
     )
     estimate.add_argument("--optimizer", choices=list(OPTIMIZER_STATE_BYTES), default="adamw", help="default: adamw")
     estimate.add_argument(
-        "--offload-optimizer", choices=["cpu", "nvme"], default=False, help="stages 1-3: optimizer states off device"
+        "--offload-optimizer", choices=["cpu", "nvme"], help="stages 1-3: optimizer states off device" + _FROM_CONFIG
     )
     estimate.add_argument(
-        "--offload-params", choices=["cpu", "nvme"], default=False, help="stage 3: parameter shard off device"
+        "--offload-params", choices=["cpu", "nvme"], help="stage 3: parameter shard off device" + _FROM_CONFIG
     )
     estimate.add_argument(
         "--accumulate-grad-batches",
@@ -184,37 +188,37 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
     estimate.add_argument(
         "--partition",
         choices=["flat", "parameter"],
-        default="flat",
-        help="flat: even shards (default); parameter: whole tensors per owner, the most loaded rank's bytes",
+        help="flat: even shards (default); parameter: whole tensors per owner, the most loaded rank's bytes"
+        + _FROM_CONFIG,
     )
     estimate.add_argument(
         "--shard-size",
         type=_positive_int,
         help="hybrid sharding: shard inside groups of this many ranks (e.g. per node), replicate across them; "
-        "a divisor of the world size (default: all ranks)",
+        "a divisor of the world size (default: all ranks)" + _FROM_CONFIG,
     )
     estimate.add_argument(
         "--secondary-shard-size",
         type=_positive_int,
         help="stage 3 (ZeRO++ hpZ): units keep 1/N of their parameters from forward to backward, N ranks per "
-        "group inside a node; the stage-3 row counts them as at the end of forward (default: none)",
+        "group inside a node; the stage-3 row counts them as at the end of forward (default: none)" + _FROM_CONFIG,
     )
     estimate.add_argument(
         "--quantize-gradients",
         action="store_true",
+        default=None,
         help="ZeRO++ qgZ: gradients cross nodes in int8 with error feedback, whose fp32 residuals stages 1-3 count "
-        "(with --num-nodes above 1; on one node it changes nothing)",
+        "(with --num-nodes above 1; on one node it changes nothing)" + _FROM_CONFIG,
     )
     estimate.add_argument(
         "--num-nodes",
         type=_positive_int,
-        default=1,
-        help="the nodes the --world-size ranks run on, as many on each (default: 1)",
+        help="the nodes the --world-size ranks run on, as many on each (default: --config's trainer.num_nodes, else 1)",
     )
 
 
 def _estimate(args: argparse.Namespace) -> None:
-    _apply_trainer_settings(args)
+    from_config = apply_trainer_settings(args)
     try:
         group = shard_group_size(args.shard_size, args.world_size)
         check_secondary_shard_size(args.secondary_shard_size, 3, group)
@@ -230,6 +234,8 @@ def _estimate(args: argparse.Namespace) -> None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     print(f"{class_path}: {total:,} parameters ({trainable:,} trainable)")
+    if from_config:
+        print("From --config's strategy: " + ", ".join(f"{name}={value}" for name, value in from_config.items()))
     print(
         f"world_size={args.world_size}, precision={args.precision}, optimizer={args.optimizer}, "
         f"offload_optimizer={args.offload_optimizer}, offload_params={args.offload_params}, "
@@ -237,7 +243,10 @@ def _estimate(args: argparse.Namespace) -> None:
         f"shard_size={args.shard_size}, secondary_shard_size={args.secondary_shard_size}, "
         f"quantize_gradients={args.quantize_gradients}, num_nodes={args.num_nodes}\n"
     )
-    rows = [_row(model, stage, args) for stage in STAGES]
+    try:
+        rows = [_row(model, stage, args) for stage in STAGES]
+    except ValueError as error:  # an option the checks above do not see (e.g. from --config's strategy)
+        raise SystemExit(f"lightning-zero estimate: {error}") from None
     print(_format_table(rows))
     print("Per rank; 1 GB = 1e9 bytes. Not included: activations, buffers, padding, optimizer step counters.")
     if args.offload_optimizer or args.offload_params:
@@ -311,29 +320,9 @@ def _format_table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _apply_trainer_settings(args: argparse.Namespace) -> None:
-    """Fill --precision, --world-size and --accumulate-grad-batches from --config's ``trainer:`` section where they
-    were not given."""
-    trainer = _read_yaml(args.config).get("trainer") if args.config is not None else None
-    trainer = trainer if isinstance(trainer, dict) else {}
-    if args.precision is None:
-        configured = str(trainer.get("precision"))
-        args.precision = configured if configured in PRECISIONS else "16-mixed"
-    if args.accumulate_grad_batches is None:
-        configured = trainer.get("accumulate_grad_batches", 1)
-        args.accumulate_grad_batches = configured if isinstance(configured, int) and configured > 1 else 1
-    if args.world_size is None:
-        devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
-        if not (isinstance(devices, int) and isinstance(nodes, int) and devices > 0 and nodes > 0):
-            raise SystemExit(
-                "lightning-zero estimate: pass --world-size N (or a --config whose trainer has integer devices)."
-            )
-        args.world_size = devices * nodes
-
-
 def _model_spec(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """The class path and init args from --config, then --model and --init-args on top."""
-    class_path, init_args = _read_config(args.config) if args.config is not None else (None, {})
+    class_path, init_args = read_model_section(args.config) if args.config is not None else (None, {})
     class_path = args.model or class_path
     if class_path is None:
         raise SystemExit(
@@ -349,28 +338,6 @@ def _model_spec(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     if not isinstance(overrides, dict):
         raise SystemExit(f"lightning-zero estimate: --init-args must be a JSON object, got {args.init_args!r}.")
     return class_path, {**init_args, **overrides}
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    import yaml
-
-    try:
-        config = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise SystemExit(f"lightning-zero estimate: cannot read --config {str(path)!r}: {error}") from None
-    return config if isinstance(config, dict) else {}
-
-
-def _read_config(path: Path) -> tuple[str | None, dict[str, Any]]:
-    """``model:`` of a LightningCLI config: ``{class_path, init_args}`` or the init args themselves."""
-    model = _read_yaml(path).get("model")
-    if not isinstance(model, dict):
-        raise SystemExit(
-            f"lightning-zero estimate: --config {str(path)!r} has no 'model:' section with init args or a class_path."
-        )
-    if "class_path" in model:
-        return model["class_path"], dict(model.get("init_args") or {})
-    return None, model
 
 
 def _build_on_meta(class_path: str, init_args: dict[str, Any]) -> nn.Module:

@@ -76,6 +76,7 @@ def _one_step_bytes(rank: int, stage: int, shard_size: int | None) -> dict[str, 
     stats = engine.last_step_comm
     return {
         "by_op": dict(stats.by_op),
+        "by_group": dict(stats.by_group),
         "nbytes": stats.nbytes,
         "calls": stats.calls,
         "intra": stats.intra_node_bytes,
@@ -131,7 +132,7 @@ def _everything(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     _parity(rank, out)
     for stage in (1, 2, 3):
-        for shard_size in (None, SHARD_SIZE):
+        for shard_size in (None, SHARD_SIZE, 1):
             out[f"bytes/{stage}/{shard_size}"] = _one_step_bytes(rank, stage, shard_size)
     for case in MEMORY_CASES:
         precision, *rest = case
@@ -184,6 +185,17 @@ def test_bytes_by_node_equal_the_formulas(ranks: list[dict[str, Any]], stage: in
         assert hybrid["intra"] - (inside // 2 + agree // 4) in range(-hybrid["calls"], 1)
         assert hybrid["by_op"]["reduce_scatter"] == flat["by_op"]["reduce_scatter"] == 4 * hybrid["padded"]
         assert hybrid["inter"] <= flat["inter"] / 2 + agree
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_shard_group_of_one_rank_counts_no_bytes(ranks: list[dict[str, Any]], stage: int) -> None:
+    """shard_size=1: each rank is its own shard group, whose collectives move nothing, so the step counts what DDP
+    moves (one fp32 all-reduce of the parameters) and the world's agreement, nothing in the shard group."""
+    for rank, out in enumerate(ranks):
+        alone = out[f"bytes/{stage}/1"]
+        assert alone["by_group"].get("shard", 0) == 0, f"rank {rank}: {alone['by_group']}"
+        assert alone["by_op"]["all_reduce"] == 2 * 4 * alone["padded"]
+        assert alone["nbytes"] == alone["by_op"]["all_reduce"] + alone["world_agree"], f"rank {rank}: {alone}"
 
 
 @pytest.mark.parametrize("case", MEMORY_CASES, ids=["-".join(map(str, case)) for case in MEMORY_CASES])

@@ -241,3 +241,105 @@ def test_quantize_gradients_adds_the_residuals_across_nodes(capsys: pytest.Captu
     assert [plain[s][1] for s in "123"] == ["0.48 MB", "0.12 MB", "0.12 MB"]
     with pytest.raises(SystemExit, match=r"--num-nodes 3 does not divide --world-size 4"):
         main(["estimate", "--model", GPT, "--world-size", "4", "--num-nodes", "3", "--quantize-gradients"])
+
+
+def _header(output: str) -> str:
+    return next(line for line in output.splitlines() if line.startswith("world_size="))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "flags"),
+    [
+        (
+            "\n    class_path: lightning_zero.ZeroStrategy\n    init_args:\n      stage: 3\n      shard_size: 2\n"
+            "      offload_optimizer: true\n      secondary_shard_size: 2\n      quantize_gradients: true\n"
+            "      weighted_loss: true",
+            ["--shard-size", "2", "--offload-optimizer", "cpu", "--secondary-shard-size", "2", "--quantize-gradients"],
+        ),
+        (" zero_3_offload", ["--offload-optimizer", "cpu", "--offload-params", "cpu"]),
+        (
+            "\n    class_path: lightning_zero.strategy.ZeroStrategy\n    init_args:\n      stage: 3\n"
+            "      partition: parameter",
+            ["--partition", "parameter"],
+        ),
+    ],
+    ids=["class_path", "registry", "module_path"],
+)
+def test_estimate_takes_the_zero_strategy_options_of_the_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], strategy: str, flags: list[str]
+) -> None:
+    """A config's ZeroStrategy options count as the same flags would; its trainer.num_nodes too."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {{}}\ntrainer:\n  devices: 2\n  num_nodes: 2\n  strategy:{strategy}\n")
+    assert main(["estimate", "--config", str(config), "--model", GPT]) == 0
+    from_config = capsys.readouterr().out
+    assert "From --config's strategy: stage=3" in from_config
+    assert (
+        main(["estimate", "--model", GPT, "--world-size", "4", "--num-nodes", "2", "--precision", "32-true", *flags])
+        == 0
+    )
+    from_flags = capsys.readouterr().out
+    assert _header(from_config) == _header(from_flags)
+    assert _rows(from_config) == _rows(from_flags)
+
+
+def test_the_command_line_wins_over_the_configs_strategy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "model: {}\ntrainer:\n  devices: 4\n  strategy:\n    class_path: lightning_zero.ZeroStrategy\n"
+        "    init_args:\n      shard_size: 2\n      offload_optimizer: nvme\n"
+    )
+    assert main(["estimate", "--config", str(config), "--model", GPT, "--shard-size", "4"]) == 0
+    header = _header(capsys.readouterr().out)
+    assert "shard_size=4" in header
+    assert "offload_optimizer=nvme" in header
+
+
+def test_another_strategy_in_the_config_sets_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("model: {}\ntrainer:\n  devices: 2\n  strategy: ddp\n")
+    assert main(["estimate", "--config", str(config), "--model", GPT]) == 0
+    output = capsys.readouterr().out
+    assert "From --config" not in output
+    assert "offload_optimizer=False, offload_params=False, partition=flat" in _header(output)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "precision"),
+    [
+        ("", "32-true"),  # Lightning's default
+        ("\n  precision: bf16", "bf16-mixed"),
+        ("\n  precision: 16", "16-mixed"),
+        (
+            "\n  precision: null\n  plugins:\n    - class_path: lightning_zero.ZeroPrecision\n"
+            "      init_args:\n        precision: 16-mixed",
+            "16-mixed",
+        ),
+    ],
+    ids=["none", "bf16", "16", "plugin"],
+)
+def test_the_configs_precision_is_what_its_trainer_trains_in(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], trainer: str, precision: str
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {{}}\ntrainer:\n  devices: 2{trainer}\n")
+    assert main(["estimate", "--config", str(config), "--model", GPT]) == 0
+    assert f"precision={precision}," in _header(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "match"),
+    [
+        ("\n  precision: 64-true", r"--config's precision '64-true' is not one the estimate knows .*pass --precision"),
+        (
+            "\n  strategy:\n    class_path: lightning_zero.ZeroStrategy\n    init_args:\n      partition: rows",
+            "partition",
+        ),
+    ],
+    ids=["precision", "partition"],
+)
+def test_a_config_value_the_estimate_cannot_take_exits_naming_it(tmp_path: Path, trainer: str, match: str) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {{}}\ntrainer:\n  devices: 2{trainer}\n")
+    with pytest.raises(SystemExit, match=match):
+        main(["estimate", "--config", str(config), "--model", GPT])

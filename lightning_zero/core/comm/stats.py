@@ -12,6 +12,7 @@ numbers them). In a bandwidth-optimal collective over p ranks (ring or pairwise 
 all-reduce, pipelined broadcast) each rank sends (p - 1)/p of the counted bytes, spread evenly over its p - 1
 peers; the remaining 1/p is its own part, which does not travel. So a collective counted as B bytes sends
 ``B * s / p`` inside the node and ``B * o / p`` across, for ``s`` peers on this rank's node and ``o`` on others.
+A group of one rank (a world of one, ``shard_size=1``'s shard group) sends nothing, and nothing of it is counted.
 Flat sharding over 2 nodes x 2 ranks sends half of every count across; hybrid sharding's shard group (one node)
 sends nothing across, its replicate group (one rank per node) half of the all-reduce's count, which is half of
 the shard's size times 2: the shard itself (see [Note: hybrid sharding]).
@@ -45,8 +46,10 @@ class CommStats:
     peers: tuple[int, int, int] = (0, 0, 1)
 
     def add(self, op: str, nbytes: int) -> None:
-        self.nbytes += nbytes
         self.calls += 1
+        if self.peers[2] == 1:  # a group of one rank: nothing travels (a 1-rank world, shard_size=1's shard group)
+            return
+        self.nbytes += nbytes
         self.by_op[op] = self.by_op.get(op, 0) + nbytes
         self.by_group[self.group] = self.by_group.get(self.group, 0) + nbytes
         same_node, other_nodes, size = self.peers
