@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_leaves
 
 SHAPE = (6, 8)
 SPLITS = (11, 29)  # piece boundaries in the flattened matrix: uneven, inside rows
@@ -47,12 +48,17 @@ def check_elementwise(optimizer: Optimizer, index: int) -> None:
         reason = _probe(optimizer, hyper)
         if reason is not None:
             name = type(optimizer).__name__
+            per_tensor = _probe_per_tensor(optimizer, hyper) is None
+            advice = (
+                f"Use ZeroStrategy(partition='parameter') for {name} (each tensor stepped whole by one rank), or an "
+                if per_tensor
+                else "It combines its tensors too, so partition='parameter' cannot train it either. Use an "
+            )
             raise NotElementwiseError(
                 f"optimizer {index} ({name}), param group {group_index}, is not element-wise: {reason}. "
                 "ZeroStrategy(partition='flat') gives each rank 1-D pieces of flattened parameters, on which it "
-                f"would train a different model than on whole tensors. Use ZeroStrategy(partition='parameter') for "
-                f"{name} (each tensor stepped whole by one rank), or an element-wise optimizer (SGD, Adam, AdamW, "
-                "Adagrad, RMSprop, ...)."
+                f"would train a different model than on whole tensors. {advice}element-wise optimizer (SGD, Adam, "
+                "AdamW, Adagrad, RMSprop, ...)."
             )
 
 
@@ -156,14 +162,31 @@ def _run(optimizer: Optimizer, hyper: dict[str, Any], values: list[Tensor], grad
 
 
 def _fresh_copy(optimizer: Optimizer, params: list[torch.nn.Parameter], hyper: dict[str, Any]) -> Optimizer:
-    """The optimizer's class and attributes over ``params``, with empty state and none of its hooks."""
-    probe = copy.copy(optimizer)
+    """The optimizer's class and attributes over ``params``, with empty state and none of its hooks.
+
+    Every attribute the optimizer set is kept (``copy.copy`` would keep only what ``Optimizer.__getstate__`` lists,
+    dropping a custom optimizer's own): plain data (numbers, strings, tensors, their lists and dicts) copied deeply,
+    so the probe's steps change none of it; one that lists the optimizer's parameters (L-BFGS's ``_params``) lists
+    the probe's instead, and one that holds them in another way is left out: the probe never reaches the model's
+    parameters. Other objects (a bound method an LR scheduler wrapped, what a framework attached) are shared."""
+    real = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    probe = object.__new__(type(optimizer))
+    for name, value in vars(optimizer).items():
+        leaves = tree_leaves(value)
+        if name.startswith("_optimizer_") and name.endswith("_hooks"):
+            value = OrderedDict()
+        elif name in ("state", "param_groups"):
+            continue
+        elif any(isinstance(leaf, Tensor) and id(leaf) in real for leaf in leaves):
+            if not (isinstance(value, list | tuple) and all(id(v) in real for v in value)):
+                continue
+            value = list(params)
+        elif all(leaf is None or isinstance(leaf, bool | int | float | complex | str | Tensor) for leaf in leaves):
+            value = copy.deepcopy(value)
+        setattr(probe, name, value)
     probe.state = defaultdict(dict)
     group = dict(hyper)
     if isinstance(group.get("lr"), float | int) and not isinstance(group.get("lr"), bool):
         group["lr"] = PROBE_LR  # a group with lr 0 (frozen by a schedule) still tells
     probe.param_groups = [{**group, "params": params}]
-    for name in list(vars(probe)):
-        if name.startswith("_optimizer_") and name.endswith("_hooks"):
-            setattr(probe, name, OrderedDict())
     return probe
