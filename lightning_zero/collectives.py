@@ -68,6 +68,18 @@ def post_failure(comm: Communicator | None, exception: BaseException) -> None:
         comm.post_failure(exception)
 
 
+def post_finished(comm: Communicator | None, where: str) -> None:
+    """Tell the other ranks that this one's fit ended normally, ``where`` (see [Note: a rank that finished])."""
+    if comm is not None:
+        comm.post_finished(where)
+
+
+def clear_finished(comm: Communicator | None) -> None:
+    """A fit starts: this rank's earlier finished notice no longer holds."""
+    if comm is not None:
+        comm.clear_finished()
+
+
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 

@@ -114,6 +114,17 @@ class ZeroFrontDoor:
         note_exception()
         collectives.post_failure(self.session.comm, exception)
 
+    def on_train_start(self) -> None:
+        """A fit starts (the Trainer's hook): an earlier fit's finished notice no longer holds."""
+        collectives.clear_finished(self.session.comm)
+
+    def on_train_end(self) -> None:
+        """The Trainer's fit loop ended normally: a rank still waiting in a collective learns that this one finished,
+        and where, instead of losing it (see [Note: a rank that finished])."""
+        trainer = getattr(getattr(self, "lightning_module", None), "trainer", None)
+        step = f" after global step {trainer.global_step}" if trainer is not None else ""
+        collectives.post_finished(self.session.comm, f"its fit ended normally{step}")
+
     # ------------------------------------------------------------------ reports and full parameters
     @contextmanager
     def gathered_params(self, write_back: bool = False) -> Generator[None, None, None]:

@@ -82,16 +82,23 @@ def _fit(world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     stage = case["stages"][rank]
     strategy = ZeroStrategy(stage=stage, timeout=TIMEOUT)
     callbacks = [RaisingState(), SaveEachStep()] if case["fail_in"] == "state_dict" else []
-    trainer = make_trainer(world_size, strategy, max_steps=6, callbacks=callbacks, default_root_dir=str(root))
+    uneven = {"use_distributed_sampler": False, "max_epochs": 1, "max_steps": -1} if case.get("uneven") else {}
+    options: dict[str, Any] = {"max_steps": 6, "callbacks": callbacks, "default_root_dir": str(root), **uneven}
+    trainer = make_trainer(world_size, strategy, **options)
+    # Uneven: each rank its own loader, rank 1's half as long (one epoch: 12 batches against 6).
+    loader = make_loader("two_layer", samples=48 // (rank + 1)) if uneven else make_loader("two_layer")
     started = time.time()
     try:
-        trainer.fit(Failing(case["fail_in"], stage), make_loader("two_layer"))
+        trainer.fit(Failing(case["fail_in"], stage), loader)
     except Exception as error:
         raised_at = time.time()
         if rank == 1 and case.get("linger"):
             time.sleep(case["linger"])  # alive, its process group open: nothing closes the others' connections
         return {"error": f"{type(error).__name__}: {error}", "raised_at": raised_at, "started": started}
-    return {"error": None, "global_step": trainer.global_step}
+    finished_at = time.time()
+    if rank == 1 and case.get("linger"):
+        time.sleep(case["linger"])  # finished, alive (a notebook): the others' connections stay open
+    return {"error": None, "global_step": trainer.global_step, "finished_at": finished_at}
 
 
 CASES = {
@@ -102,6 +109,8 @@ CASES = {
     "training_step_stage3": {"stages": (3, 3), "fail_in": "training_step", "linger": 8},
     "state_dict_stage3": {"stages": (3, 3), "fail_in": "state_dict", "linger": 8},
     "training_step_stage2": {"stages": (2, 2), "fail_in": "training_step"},
+    # Rank 1 runs out of batches first and its fit ends normally, then its process group (a script's end).
+    "uneven_batches_stage3": {"stages": (3, 3), "fail_in": None, "uneven": True},
 }
 
 
@@ -134,6 +143,22 @@ def test_a_rank_that_raises_ends_the_others_within_seconds(outcomes: dict[str, A
     assert "rank 1 raised ValueError: boom in" in error, error  # named, though it is alive or its group went
     failed_at = float((root / "failed_at").read_text())
     assert results[0]["raised_at"] - failed_at < WITHIN_S, "rank 0 waited for the timeout"
+
+
+def test_a_rank_that_finished_first_ends_the_others_naming_it(outcomes: dict[str, Any]) -> None:
+    """Loaders of different lengths (use_distributed_sampler=False): rank 1's fit ends normally after 6 steps, while
+    rank 0 waits in its seventh step's collectives. When rank 1's group goes, rank 0 raises naming where rank 1's
+    fit ended (before: a lost rank "whose process ended (a crash, a kill, ...)", with no error in rank 1's log)."""
+    results, _ = outcomes["uneven_batches_stage3"]
+    assert results[1]["error"] is None, results[1]["error"]
+    assert results[1]["global_step"] == 6
+    error = results[0]["error"]
+    assert error is not None, "rank 0 trained on"
+    assert error.startswith("RankFinishedError: rank 0 stopped waiting in "), error
+    assert "rank 1 finished: its fit ended normally after global step 6" in error, error
+    assert "use_distributed_sampler=False" in error, error
+    waited = results[0]["raised_at"] - results[1]["finished_at"]
+    assert waited < WITHIN_S, f"rank 0 waited {waited:.1f} s"
 
 
 def test_the_previous_checkpoint_stays_intact(outcomes: dict[str, Any]) -> None:

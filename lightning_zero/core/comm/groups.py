@@ -117,6 +117,17 @@ class GroupMember:
         if self.notices is not None:
             self.notices.post(self.global_rank, error)
 
+    def post_finished(self, where: str) -> None:
+        """This rank's fit ended normally (``where``): a rank still waiting for it says so (see [Note: a rank that
+        finished]). A no-op without notices."""
+        if self.notices is not None:
+            self.notices.post_finished(self.global_rank, where)
+
+    def clear_finished(self) -> None:
+        """A new fit starts on this rank: its earlier finished notice no longer holds."""
+        if self.notices is not None:
+            self.notices.clear_finished(self.global_rank)
+
     def _guarded(self, what: str, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``collective(*args, **kwargs)``, a lost or hung rank named as such (see [Note: lost and hung ranks])."""
         if self._released:

@@ -19,6 +19,18 @@ wait of a gloo collective the engine issues is a wait in slices of ``POLL`` that
 collectives failed because another rank failed does not post (it names the first failure, and posting it would
 only repeat it). NCCL waits do not block the host, so they are not polled: there the process group's timeout (and
 NCCL's watchdog) end a wait.
+
+[Note: a rank that finished]
+Ranks that run different numbers of steps (loaders of different lengths with ``use_distributed_sampler=False``, an
+early stop on one rank) end apart: one finishes its fit while another waits in a collective it will never join.
+When the finished rank's process (or its process group) ends, the waiting rank's collective fails as if that rank
+had crashed, though its log holds no error. So a rank whose fit ended normally says so in the store
+(``FailureNotices.post_finished``, from the strategy's ``on_train_end``; cleared at the next fit's start), under keys
+of its own that the failure count does not see, and a lost-rank or timeout error that finds such a notice is a
+:class:`RankFinishedError` naming the rank and where its fit ended. Polled waits do not end on it: in Lightning's
+loop the waiting rank is by then blocked in the loop's own broadcast at the start of each batch (the SIGTERM
+flag, a plain ``torch.distributed`` call), and a finished rank that lives on keeps it there until the timeout, as
+under DDP.
 """
 
 from __future__ import annotations
@@ -45,6 +57,10 @@ class RankTimeoutError(RuntimeError):
 
 class RankFailedError(RankLostError):
     """Another rank raised (and posted a notice) while this rank waited for it in a collective."""
+
+
+class RankFinishedError(RankLostError):
+    """Another rank finished its fit normally while this rank waited for it in a collective."""
 
 
 POLL = timedelta(milliseconds=200)  # a gloo wait reads the failure notices this often (see the note above)
@@ -78,6 +94,38 @@ class FailureNotices:
             self.store.add(f"{self.prefix}/count", 1)
         except Exception:  # the store is gone with its host: the others see the connection close
             return
+
+    def post_finished(self, rank: int, where: str) -> None:
+        """Say that ``rank``'s fit ended normally, ``where`` (see [Note: a rank that finished])."""
+        try:
+            if not self.store.check([f"{self.prefix}/finished{rank}"]):
+                self.store.add(f"{self.prefix}/finished", 1)
+            self.store.set(f"{self.prefix}/finished{rank}", where[:500])
+        except Exception:
+            return
+
+    def clear_finished(self, rank: int) -> None:
+        """A new fit starts on ``rank``: its earlier notice no longer holds."""
+        try:
+            if self.store.check([f"{self.prefix}/finished{rank}"]):
+                self.store.delete_key(f"{self.prefix}/finished{rank}")
+                self.store.add(f"{self.prefix}/finished", -1)
+        except Exception:
+            return
+
+    def finished(self) -> str | None:
+        """The ranks whose fit ended, or ``None`` (one store request when there are none)."""
+        if not self._readable:
+            return None
+        try:
+            if self.store.add(f"{self.prefix}/finished", 0) <= 0:
+                return None
+            keys = {r: f"{self.prefix}/finished{r}" for r in range(self.world_size)}
+            done = [r for r, key in keys.items() if self.store.check([key])]
+            return "; ".join(f"rank {r} finished: {self.store.get(keys[r]).decode()}" for r in done) or None
+        except Exception:
+            self._readable = False
+            return None
 
     def read(self) -> str | None:
         """The posted failures, or ``None`` (one store request when there are none)."""
@@ -138,6 +186,9 @@ def _raise_translated(error: RuntimeError, what: str, rank: int, notices: Failur
     posted = notices.read() if notices is not None and isinstance(translated, RankLostError) else None
     if posted:
         raise _failed(what, rank, posted) from error
+    finished = notices.finished() if notices is not None else None
+    if finished:
+        raise _finished(what, rank, finished) from error
     raise translated from error
 
 
@@ -145,6 +196,14 @@ def _failed(what: str, rank: int, posted: str) -> RankFailedError:
     return RankFailedError(
         f"rank {rank} stopped waiting in {what}: {posted}, so this collective can never complete. The first error "
         "is in that rank's log."
+    )
+
+
+def _finished(what: str, rank: int, finished: str) -> RankFinishedError:
+    return RankFinishedError(
+        f"rank {rank} stopped waiting in {what}: {finished}, so this collective can never complete. The ranks ran "
+        "different numbers of steps: give every rank as many batches (Lightning's DistributedSampler does; with "
+        "use_distributed_sampler=False, make each rank's loader the same length) and stop every rank at the same step."
     )
 
 
