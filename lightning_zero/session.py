@@ -155,11 +155,13 @@ class ZeroSession:
         loss_scaler: DynamicLossScaler | None,
         loss_factor: float = 1.0,
         optimizers_later: bool = False,
+        loop_settings: Sequence[tuple[str, object]] = (),
     ) -> None:
         """Build the engine that shards ``module``: for training, and at stage 3 for evaluation too (it creates the
         parameters of a model built on the meta device). Evaluation at stages 1 and 2 only broadcasts rank 0's
         parameters and buffers. ``loss_factor`` undoes the loop's own scaling of each loss (``weighted_loss``);
-        ``optimizers_later``: optimizers join afterwards (``ZeroEngine.add_optimizer``)."""
+        ``optimizers_later``: optimizers join afterwards (``ZeroEngine.add_optimizer``); ``loop_settings``: the
+        loop's own settings every rank must share too (a Trainer's accumulation and clipping)."""
         comm = self._require_comm()
         if not (fitting or self.config.engine.stage == 3):
             setup.broadcast_module_states(module, comm)
@@ -173,7 +175,8 @@ class ZeroSession:
             device=device,
             precision=precision,
             loss_scaler=loss_scaler,
-            agree_also=[(k, v) for k, v in sorted(self.config.describe().items()) if k not in engine_keys],
+            agree_also=[(k, v) for k, v in sorted(self.config.describe().items()) if k not in engine_keys]
+            + list(loop_settings),
             optimizers_later=optimizers_later,
         )
         self._engine = engine

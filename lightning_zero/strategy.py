@@ -41,6 +41,15 @@ __all__ = ["ZeroStrategy", "move_materialized"]
 log = logging.getLogger(__name__)
 
 
+# The Trainer's settings every rank must share: ranks that differ would step at other times (silently diverging
+# at stage 3, whose step has no collective) or wait in another collective (a clip's norm).
+_AGREED_TRAINER_SETTINGS = ("accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm")
+
+
+def _trainer_settings(trainer: pl.Trainer) -> list[tuple[str, object]]:
+    return [(f"Trainer {name}", getattr(trainer, name)) for name in _AGREED_TRAINER_SETTINGS]
+
+
 class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
     """ZeRO data parallelism: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) sharded.
 
@@ -180,9 +189,9 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         factor = 1.0 / module.trainer.accumulate_grad_batches if automatic else 1.0
         optimizers = [unwrap_optimizer(o) for o in self.optimizers if not isinstance(o, _MockOptimizer)]
         precision = self.precision_plugin
-        self.session.build(
-            self.model, optimizers, fitting, self.root_device, precision.policy(), precision.scaler, factor
-        )
+        settings = _trainer_settings(module.trainer) if automatic else ()
+        policy, scaler = precision.policy(), precision.scaler
+        self.session.build(self.model, optimizers, fitting, self.root_device, policy, scaler, factor, False, settings)
         precision.attach(self.session.engine_or_none)
         if fitting:
             # Lightning's optimizer wrappers copy their optimizer's class: make them again now that the engine has

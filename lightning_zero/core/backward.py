@@ -39,7 +39,9 @@ class BackwardPass:
         self.model = model
         self.scaling = scaling
         # Every rank steps with the same hyper-parameters: see [Note: agreeing on hyper-parameters].
-        self.hyperparameters = HyperparameterAgreement(comm, model.optimizers)
+        self.hyperparameters = HyperparameterAgreement(
+            comm, model.optimizers, lambda: {id(step.optimizer): step.steps_ended for step in model.steps}
+        )
         self.reducer = GradReducer(
             model.buckets,
             comm,

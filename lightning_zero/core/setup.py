@@ -65,7 +65,10 @@ def agree_on_model(
     ]
     fix = "Build the same model and optimizers, with the same Trainer precision, on every rank before Trainer.fit."
     comm.agree("the model's parameters (shape, dtype, requires_grad, optimizer group)", params, fix)
-    fix = "Pass the same ZeroStrategy options and Trainer precision on every rank."
+    fix = (
+        "Pass the same ZeroStrategy options and Trainer precision, accumulate_grad_batches and gradient clipping on "
+        "every rank."
+    )
     comm.agree("ZeroStrategy options and precision", list(described), fix)
 
 

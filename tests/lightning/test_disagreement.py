@@ -7,6 +7,7 @@ helper's timeout (a failure, not a skip), and a case that left the process group
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.helpers import run_on_ranks
 from tests.lightning.models import TwoLayer, make_loader, make_trainer
@@ -18,8 +19,33 @@ CASES = {
     "bucket_cap_mb": {"stage": 2, "bucket_cap_mb": "rank"},
     "free_gradients_after_step": {"stage": 3, "free_gradients_after_step": "rank"},  # local: no collective hangs
     "precision": {"stage": 3, "precision": "rank"},  # rank 0 bf16-mixed, rank 1 32-true: same parameter dtypes
+    # Stage 3 stepped at other times without a hang (a silent divergence before); stage 1 waited in the clip's norm.
+    "accumulate_grad_batches": {"stage": 3, "trainer": {"accumulate_grad_batches": "rank"}},
+    "gradient_clip_val": {"stage": 1, "trainer": {"gradient_clip_val": "rank"}},
+    # Stage 3's step has no collective: the next backward's agreement sees the step counts differ. (At stages 1-2 the
+    # stepping rank waits in the all-gather of its new shard, which the other never joins: the strategy's timeout.)
+    "skipped_step": {"stage": 3, "skip_step_on_rank": 1},
     "agreeing_ranks": {"stage": 2},  # control: the same run with agreeing ranks trains
 }
+# Per rank, the Trainer arguments of the cases that set them per rank.
+TRAINER_VALUES = {"accumulate_grad_batches": (1, 2), "gradient_clip_val": (0.5, None)}
+
+
+class SkipsAStep(TwoLayer):
+    """Manual optimization whose ``skip_on_rank`` leaves out ``optimizer.step()`` at batch 1: its shards would end a
+    step behind the other ranks'."""
+
+    def __init__(self, skip_on_rank: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.skip_on_rank = skip_on_rank
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        if not (batch_idx == 1 and self.global_rank == self.skip_on_rank):
+            optimizer.step()
 
 
 def _disagreeing_runs(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
@@ -32,9 +58,11 @@ def _disagreeing_runs(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         free = rank == 1 if case.get("free_gradients_after_step") == "rank" else False
         strategy = ZeroStrategy(stage=case["stage"], bucket_cap_mb=bucket_cap_mb, free_gradients_after_step=free)
         precision = ("bf16-mixed" if rank == 0 else "32-true") if case.get("precision") == "rank" else "32-true"
-        trainer = make_trainer(world_size, strategy, max_steps=2, precision=precision)
+        per_rank = {name: TRAINER_VALUES[name][rank] for name in case.get("trainer", {})}
+        trainer = make_trainer(world_size, strategy, max_steps=4, precision=precision, **per_rank)
+        model = SkipsAStep(case["skip_step_on_rank"]) if "skip_step_on_rank" in case else TwoLayer(hidden=hidden)
         try:
-            trainer.fit(TwoLayer(hidden=hidden), make_loader("two_layer"))
+            trainer.fit(model, make_loader("two_layer"))
             out[name] = ("ok", f"global_step={trainer.global_step}")
         except Exception as error:
             out[name] = (type(error).__name__, str(error))
@@ -75,6 +103,28 @@ def test_rank_dependent_precision_raises_on_every_rank(outcomes: list[dict[str, 
         assert "Trainer precision" in message, f"rank {rank}: the error should say what to fix: {message}"
 
 
+@pytest.mark.parametrize(("setting", "shown"), [("accumulate_grad_batches", "1"), ("gradient_clip_val", "0.5")])
+def test_rank_dependent_trainer_setting_raises_on_every_rank(
+    outcomes: list[dict[str, tuple[str, str]]], setting: str, shown: str
+) -> None:
+    """Ranks that would step at other times (or one alone compute a clip's norm) fail at setup, naming it."""
+    for rank, results in enumerate(outcomes):
+        kind, message = results[setting]
+        assert kind == "RuntimeError", f"rank {rank}: {kind}: {message}"
+        assert f"rank 0 has 'Trainer {setting}' {shown}, rank 1 has" in message, f"rank {rank}: {message}"
+        assert f"Trainer precision, {setting}" in message or "gradient clipping" in message, message
+
+
+def test_a_step_skipped_on_one_rank_raises_on_every_rank(outcomes: list[dict[str, tuple[str, str]]]) -> None:
+    """Manual optimization that leaves out one optimizer.step() on rank 1 at stage 3: the next backward's agreement
+    names it (the run trained on silently with half its shards a step behind before)."""
+    for rank, results in enumerate(outcomes):
+        kind, message = results["skipped_step"]
+        assert kind == "RuntimeError", f"rank {rank}: {kind}: {message}"
+        assert "ranks disagree on the steps optimizer 0 (AdamW) has taken: rank 0 has 2, rank 1 has 1" in message
+        assert "call optimizer.step() together" in message, message
+
+
 def test_processes_stay_usable_after_the_errors(outcomes: list[dict[str, tuple[str, str]]]) -> None:
     for rank, results in enumerate(outcomes):
-        assert results["agreeing_ranks"] == ("ok", "global_step=2"), f"rank {rank}"
+        assert results["agreeing_ranks"] == ("ok", "global_step=4"), f"rank {rank}"

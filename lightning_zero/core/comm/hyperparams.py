@@ -14,12 +14,16 @@ before the step; values changed after the last backward (``on_before_optimizer_s
 Where they differ, every rank gathers every rank's values and raises the same error, naming the optimizer and every
 key of every group that differs, with each rank's value (a scheduler created or stepped on one rank changes
 ``initial_lr`` and ``lr`` at once; the error names both).
+
+The fingerprint also covers how many steps each optimizer has ended: a rank that skips ``optimizer.step()`` (manual
+optimization under a rank-local condition) would leave its shards a step behind the others', a model no run of the
+optimizer produces, silently at stage 3, whose step has no collective. The next backward's agreement names it.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -60,13 +64,23 @@ class HyperparameterAgreement:
 
     PAYLOAD = 8  # bytes riding in the agreement: the fingerprint's four, then their complements
 
-    def __init__(self, comm: Communicator, optimizers: Sequence[Optimizer]) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        optimizers: Sequence[Optimizer],
+        steps_ended: Callable[[], Mapping[int, int]] = dict,
+    ) -> None:
         self.comm = comm
         self.optimizers = list(optimizers)
+        self.steps_ended = steps_ended  # by id(optimizer): the steps it ended
+
+    def _described(self) -> tuple[list[Any], list[int]]:
+        steps = self.steps_ended()
+        return [describe(optimizer) for optimizer in self.optimizers], [steps.get(id(o), 0) for o in self.optimizers]
 
     def payload(self) -> list[int]:
         """This rank's fingerprint as values for an all-reduce of the maximum of bytes."""
-        fingerprint = zlib.crc32(repr([describe(optimizer) for optimizer in self.optimizers]).encode())
+        fingerprint = zlib.crc32(repr(self._described()).encode())
         high = list(fingerprint.to_bytes(4, "little"))
         return high + [255 - byte for byte in high]
 
@@ -75,11 +89,19 @@ class HyperparameterAgreement:
         (collective then, on every rank: each sees the same maxima)."""
         if list(merged[:4]) == [255 - byte for byte in merged[4:]]:  # max == min for every byte
             return
-        everyone = self.comm.all_gather_object([describe(optimizer) for optimizer in self.optimizers])
+        gathered = self.comm.all_gather_object(self._described())
+        everyone, steps = [groups for groups, _ in gathered], [counts for _, counts in gathered]
+        labels = [f"optimizer {index} ({type(optimizer).__name__})" for index, optimizer in enumerate(self.optimizers)]
         messages = [
-            describe_difference(f"optimizer {index} ({type(optimizer).__name__})", [ours[index] for ours in everyone])
-            for index, optimizer in enumerate(self.optimizers)
+            describe_difference(label, [ours[index] for ours in everyone])
+            for index, label in enumerate(labels)
             if any(ours[index] != everyone[0][index] for ours in everyone)
+        ]
+        messages += [
+            f"ranks disagree on the steps {label} has taken: {_by_rank([ours[index] for ours in steps], str)}. "
+            f"{_STEP_FIX}"
+            for index, label in enumerate(labels)
+            if any(ours[index] != steps[0][index] for ours in steps)
         ]
         raise RuntimeError(" ".join(messages) or describe_difference("the optimizers", [[] for _ in everyone]))
 
@@ -87,6 +109,11 @@ class HyperparameterAgreement:
 _FIX = (
     "Every rank must step every optimizer with the same hyper-parameters: step learning-rate schedulers on every "
     "rank (Lightning does), and set group values from data every rank has."
+)
+
+_STEP_FIX = (
+    "Every rank must call optimizer.step() together (each rank steps only the shard it owns): skip a step on every "
+    "rank or on none, and give every rank the same number of batches and the same accumulate_grad_batches."
 )
 
 

@@ -113,6 +113,7 @@ class OptimizerStep:
         self.scaling = scaling
         self.on_step_end = on_step_end
         self.state = StepState.IDLE
+        self.steps_ended = 0  # steps whose window closed: every rank's count agrees (see HyperparameterAgreement)
         self._finite = True
         self.step_grads = StepGrads()
         self._handles: list[RemovableHandle] = []
@@ -307,6 +308,7 @@ class OptimizerStep:
         self.on_step_end()
 
     def _end_step(self, stepped: bool) -> None:
+        self.steps_ended += 1
         self.step_grads.release()
         self.state = StepState.IDLE
         if self.step_grads.scale is not None and self.scaling.scaler is not None and not self._weight_skipped:
