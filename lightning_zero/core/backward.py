@@ -40,7 +40,9 @@ class BackwardPass:
         self.scaling = scaling
         # Every rank steps with the same hyper-parameters: see [Note: agreeing on hyper-parameters].
         self.hyperparameters = HyperparameterAgreement(
-            comm, model.optimizers, lambda: {id(step.optimizer): step.steps_ended for step in model.steps}
+            comm,
+            model.optimizers,
+            lambda: {id(step.optimizer): (step.steps_ended, step.reductions_held) for step in model.steps},
         )
         self.reducer = GradReducer(
             model.buckets,
@@ -138,7 +140,10 @@ class BackwardPass:
         scheduler = self.model.scheduler
         self.reducer.launch_remaining()
         scheduler.finish_backward()
+        reducing = self.reducer.reducing
         self.reducer.finish()
+        for step in self.model.steps if reducing else ():  # agreed at the next reducing backward
+            step.reductions_held += 1
         scheduler.end_backward(retain=self._retain)
         self._roots, self._reached, self._retain = [], None, False
 

@@ -25,6 +25,8 @@ CASES = {
     # Stage 3's step has no collective: the next backward's agreement sees the step counts differ. (At stages 1-2 the
     # stepping rank waits in the all-gather of its new shard, which the other never joins: the strategy's timeout.)
     "skipped_step": {"stage": 3, "skip_step_on_rank": 1},
+    # Stages 2-3 add a reduction into a held gradient that zero_grad did not empty, in the shard only its rank steps.
+    "skipped_zero_grad": {"stage": 2, "skip_step_on_rank": 1, "skip": "zero_grad"},
     "agreeing_ranks": {"stage": 2},  # control: the same run with agreeing ranks trains
 }
 # Per rank, the Trainer arguments of the cases that set them per rank.
@@ -32,19 +34,21 @@ TRAINER_VALUES = {"accumulate_grad_batches": (1, 2), "gradient_clip_val": (0.5, 
 
 
 class SkipsAStep(TwoLayer):
-    """Manual optimization whose ``skip_on_rank`` leaves out ``optimizer.step()`` at batch 1: its shards would end a
-    step behind the other ranks'."""
+    """Manual optimization whose ``skip_on_rank`` leaves out ``optimizer.step()`` (or ``zero_grad()``) at batch 1:
+    its shards would end a step behind the other ranks' (or step on two batches' gradients)."""
 
-    def __init__(self, skip_on_rank: int) -> None:
+    def __init__(self, skip_on_rank: int, skip: str = "step") -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.skip_on_rank = skip_on_rank
+        self.skip_on_rank, self.skip = skip_on_rank, skip
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         optimizer = self.optimizers()
-        optimizer.zero_grad()
+        skipping = batch_idx == 1 and self.global_rank == self.skip_on_rank
+        if not (skipping and self.skip == "zero_grad"):
+            optimizer.zero_grad()
         self.manual_backward(super().training_step(batch, batch_idx))
-        if not (batch_idx == 1 and self.global_rank == self.skip_on_rank):
+        if not (skipping and self.skip == "step"):
             optimizer.step()
 
 
@@ -60,7 +64,8 @@ def _disagreeing_runs(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         precision = ("bf16-mixed" if rank == 0 else "32-true") if case.get("precision") == "rank" else "32-true"
         per_rank = {name: TRAINER_VALUES[name][rank] for name in case.get("trainer", {})}
         trainer = make_trainer(world_size, strategy, max_steps=4, precision=precision, **per_rank)
-        model = SkipsAStep(case["skip_step_on_rank"]) if "skip_step_on_rank" in case else TwoLayer(hidden=hidden)
+        skipping = "skip_step_on_rank" in case
+        model = SkipsAStep(case["skip_step_on_rank"], case.get("skip", "step")) if skipping else TwoLayer(hidden=hidden)
         try:
             trainer.fit(model, make_loader("two_layer"))
             out[name] = ("ok", f"global_step={trainer.global_step}")
@@ -123,6 +128,18 @@ def test_a_step_skipped_on_one_rank_raises_on_every_rank(outcomes: list[dict[str
         assert kind == "RuntimeError", f"rank {rank}: {kind}: {message}"
         assert "ranks disagree on the steps optimizer 0 (AdamW) has taken: rank 0 has 2, rank 1 has 1" in message
         assert "call optimizer.step() together" in message, message
+
+
+def test_a_zero_grad_skipped_on_one_rank_raises_on_every_rank(outcomes: list[dict[str, tuple[str, str]]]) -> None:
+    """Rank 1 leaves out one zero_grad() at stage 2: the next backward's agreement names it (the reduction was added
+    into rank 1's held shard, silently, before)."""
+    for rank, results in enumerate(outcomes):
+        kind, message = results["skipped_zero_grad"]
+        assert kind == "RuntimeError", f"rank {rank}: {kind}: {message}"
+        expected = "the backward passes whose gradients optimizer 0 (AdamW) holds since its zero_grad: rank 0 has 0"
+        assert expected in message, message
+        assert "rank 1 has 1" in message, message
+        assert "call zero_grad() together" in message, message
 
 
 def test_processes_stay_usable_after_the_errors(outcomes: list[dict[str, tuple[str, str]]]) -> None:

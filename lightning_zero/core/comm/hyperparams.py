@@ -15,9 +15,11 @@ Where they differ, every rank gathers every rank's values and raises the same er
 key of every group that differs, with each rank's value (a scheduler created or stepped on one rank changes
 ``initial_lr`` and ``lr`` at once; the error names both).
 
-The fingerprint also covers how many steps each optimizer has ended: a rank that skips ``optimizer.step()`` (manual
-optimization under a rank-local condition) would leave its shards a step behind the others', a model no run of the
-optimizer produces, silently at stage 3, whose step has no collective. The next backward's agreement names it.
+The fingerprint also covers how many steps each optimizer has ended and how many reducing backwards its held
+gradients took in since its last ``zero_grad``: a rank that skips ``optimizer.step()`` (manual optimization under a
+rank-local condition) would leave its shards a step behind the others', one that skips ``zero_grad`` would add two
+steps' gradients into the shard it owns: models no run of the optimizer produces, silently at stage 3, whose step
+has no collective (and at stage 2 for ``zero_grad``). The next backward's agreement names it.
 """
 
 from __future__ import annotations
@@ -68,15 +70,15 @@ class HyperparameterAgreement:
         self,
         comm: Communicator,
         optimizers: Sequence[Optimizer],
-        steps_ended: Callable[[], Mapping[int, int]] = dict,
+        counts: Callable[[], Mapping[int, tuple[int, int]]] = dict,
     ) -> None:
         self.comm = comm
         self.optimizers = list(optimizers)
-        self.steps_ended = steps_ended  # by id(optimizer): the steps it ended
+        self.counts = counts  # by id(optimizer): the steps it ended, the reductions it holds since its zero_grad
 
-    def _described(self) -> tuple[list[Any], list[int]]:
-        steps = self.steps_ended()
-        return [describe(optimizer) for optimizer in self.optimizers], [steps.get(id(o), 0) for o in self.optimizers]
+    def _described(self) -> tuple[list[Any], list[tuple[int, int]]]:
+        counts = self.counts()
+        return [describe(o) for o in self.optimizers], [tuple(counts.get(id(o), (0, 0))) for o in self.optimizers]
 
     def payload(self) -> list[int]:
         """This rank's fingerprint as values for an all-reduce of the maximum of bytes."""
@@ -97,12 +99,15 @@ class HyperparameterAgreement:
             for index, label in enumerate(labels)
             if any(ours[index] != everyone[0][index] for ours in everyone)
         ]
-        messages += [
-            f"ranks disagree on the steps {label} has taken: {_by_rank([ours[index] for ours in steps], str)}. "
-            f"{_STEP_FIX}"
-            for index, label in enumerate(labels)
-            if any(ours[index] != steps[0][index] for ours in steps)
-        ]
+        for index, label in enumerate(labels):
+            taken, held = ([ours[index][k] for ours in steps] for k in (0, 1))
+            if len(set(taken)) > 1:
+                messages.append(f"ranks disagree on the steps {label} has taken: {_by_rank(taken, str)}. {_STEP_FIX}")
+            elif len(set(held)) > 1:
+                messages.append(
+                    f"ranks disagree on the backward passes whose gradients {label} holds since its zero_grad: "
+                    f"{_by_rank(held, str)}. {_ZERO_GRAD_FIX}"
+                )
         raise RuntimeError(" ".join(messages) or describe_difference("the optimizers", [[] for _ in everyone]))
 
 
@@ -114,6 +119,11 @@ _FIX = (
 _STEP_FIX = (
     "Every rank must call optimizer.step() together (each rank steps only the shard it owns): skip a step on every "
     "rank or on none, and give every rank the same number of batches and the same accumulate_grad_batches."
+)
+
+_ZERO_GRAD_FIX = (
+    "Every rank must call zero_grad() together: a rank that skips it adds the next gradients to the ones it holds, "
+    "in the shard only it steps."
 )
 
 

@@ -114,6 +114,7 @@ class OptimizerStep:
         self.on_step_end = on_step_end
         self.state = StepState.IDLE
         self.steps_ended = 0  # steps whose window closed: every rank's count agrees (see HyperparameterAgreement)
+        self.reductions_held = 0  # reducing backwards folded into the held gradients since the last zero_grad: too
         self._finite = True
         self.step_grads = StepGrads()
         self._handles: list[RemovableHandle] = []
@@ -213,6 +214,7 @@ class OptimizerStep:
         """``optimizer.zero_grad()``: empty (or zero) the held gradients of this optimizer's parameters (of those
         whose ``id`` is in ``only``, for a module's ``zero_grad``)."""
         self.discard()
+        self.reductions_held = 0
         by_bucket: dict[int, tuple[GradBucket, list[int]]] = {}
         for entry in self.entries:
             if only is None or id(entry.param) in only:
