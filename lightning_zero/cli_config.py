@@ -15,7 +15,7 @@ from lightning_zero.estimate import PRECISIONS
 _PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true"}
 # The estimate's arguments a ZeroStrategy option sets (its init_args name = the argument's dest), and each one's
 # value when neither the command line nor the config gives it.
-STRATEGY_DEFAULTS: dict[str, Any] = {
+_STRATEGY_DEFAULTS: dict[str, Any] = {
     "offload_optimizer": False,
     "offload_params": False,
     "partition": "flat",
@@ -23,7 +23,6 @@ STRATEGY_DEFAULTS: dict[str, Any] = {
     "secondary_shard_size": None,
     "quantize_gradients": False,
 }
-_STRATEGY_CLASSES = ("ZeroStrategy",)
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -71,7 +70,7 @@ def apply_trainer_settings(args: argparse.Namespace) -> dict[str, Any]:
         args.world_size = devices * nodes
     configured = _strategy_options(trainer.get("strategy"))
     taken = {"stage": configured["stage"]} if "stage" in configured else {}  # shown: the table has every stage
-    for name, default in STRATEGY_DEFAULTS.items():
+    for name, default in _STRATEGY_DEFAULTS.items():
         if getattr(args, name) is None:
             if name in configured:
                 taken[name] = configured[name]
@@ -102,8 +101,8 @@ def _strategy_options(strategy: Any) -> dict[str, Any]:
     init_args (and its stage); nothing for another strategy."""
     if isinstance(strategy, str):
         options = PRESETS[strategy][0] if strategy in PRESETS else {}
-    elif isinstance(strategy, dict) and str(strategy.get("class_path", "")).rpartition(".")[2] in _STRATEGY_CLASSES:
+    elif isinstance(strategy, dict) and str(strategy.get("class_path", "")).rpartition(".")[2] == "ZeroStrategy":
         options = strategy.get("init_args") or {}
     else:
         options = {}
-    return {name: value for name, value in options.items() if name in STRATEGY_DEFAULTS or name == "stage"}
+    return {name: value for name, value in options.items() if name in _STRATEGY_DEFAULTS or name == "stage"}
