@@ -204,6 +204,13 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
         "group inside a node; the stage-3 row counts them as at the end of forward (default: none)" + _FROM_CONFIG,
     )
     estimate.add_argument(
+        "--wrap-policy",
+        nargs="+",
+        metavar="CLASS",
+        help="stage-3 gather units as import paths (package.module.Block), read with --secondary-shard-size: the "
+        "units other than the root keep the slices (default: the repeated blocks, as ZeroStrategy)" + _FROM_CONFIG,
+    )
+    estimate.add_argument(
         "--quantize-gradients",
         action="store_true",
         default=None,
@@ -266,8 +273,8 @@ def _estimate(args: argparse.Namespace) -> None:
         )
     if args.secondary_shard_size is not None:
         print(
-            f"Secondary shards: stage 3's parameters include 1/{args.secondary_shard_size} of every unit, held from "
-            "its forward to its backward (the end of forward, when all are alive)."
+            f"Secondary shards: stage 3's parameters include 1/{args.secondary_shard_size} of every unit but the "
+            "root, which is counted gathered in full, as at the end of forward (every slice alive)."
         )
     if args.quantize_gradients and args.num_nodes > 1:
         print(
@@ -292,6 +299,7 @@ def _row(model: nn.Module, stage: int, args: argparse.Namespace) -> list[str]:
         secondary_shard_size=args.secondary_shard_size if stage == 3 else None,
         quantize_gradients=args.quantize_gradients,
         num_nodes=args.num_nodes,
+        wrap_policy=args.wrap_policy,
     )
     return [_stage_label(stage), *map(_human_bytes, _columns_of(estimate))]
 

@@ -22,6 +22,7 @@ _STRATEGY_DEFAULTS: dict[str, Any] = {
     "shard_size": None,
     "secondary_shard_size": None,
     "quantize_gradients": False,
+    "wrap_policy": None,
 }
 
 

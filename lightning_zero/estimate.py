@@ -18,9 +18,12 @@ state per parameter (Adam/AdamW: exp_avg and exp_avg_sq, 8 bytes). Per rank:
 
 With ``secondary_shard_size=s`` (stage 3, ZeRO++ hpZ) each unit keeps 1/s of its full buffer from its forward to
 its backward (see [Note: secondary shards]); ``params`` then counts the peak between forward and backward, when every
-unit's slice is alive (the end of forward), on the device whatever ``offload_params`` says:
+unit's slice is alive (the end of forward), on the device whatever ``offload_params`` says. At that moment the root
+unit is gathered in full (it stays so from forward to backward, with or without slices) and keeps no slice. With Ψᵤ
+and Φᵤ the trainable and frozen elements of the units ``wrap_policy`` chooses (the engine's own choice, [Note:
+stage-3 gather units]), Ψᵣ and Φᵣ those of the root:
 
-    params          += (param_width * Ψ + frozen_width * Φ) / s
+    params          += (param_width * Ψᵤ + frozen_width * Φᵤ) / s + param_width * Ψᵣ + frozen_width * Φᵣ
 
 With ``quantize_gradients`` (stages 1-3, ZeRO++ qgZ) over M > 1 nodes each rank keeps error feedback's fp32 residual
 of every row of gradients it sends across nodes (see [Note: error feedback]): without ``shard_size`` the M - 1 node
@@ -30,9 +33,8 @@ partials of its slice, with it its shard:
 
 They stay on the device whatever the offloads (the reduction runs there).
 
-It counts every parameter as held by a unit: the root unit's (gathered in full from forward to backward, not
-counted here, as no gathered buffer is) and those of units whose outputs need no gradient keep no slice, so for
-them it is an upper bound.
+A unit whose outputs need no gradient (frozen, on inputs that need none) keeps no slice either; that depends on the
+data, so for such units it is an upper bound.
 
 Frozen parameters have no optimizer and so no fp32 master: the mixed modes keep them in fp32 (autocast
 casts them for compute), ``"bf16-true"`` holds them in bf16 like the rest of the module.
@@ -65,7 +67,9 @@ from lightning_zero.core.options import (
     check_choice,
     check_secondary_shard_size,
     check_shard_size,
+    resolve_policy,
 )
+from lightning_zero.core.stage3.units import assign_params, select_units
 
 STAGES = (0, 1, 2, 3)
 OFFLOADED_MASTER_BYTES = 4  # the fp32 master the offloaded optimizer steps, in every precision
@@ -124,6 +128,7 @@ def estimate_memory(
     secondary_shard_size: int | None = None,
     quantize_gradients: bool = False,
     num_nodes: int = 1,
+    wrap_policy: Any = None,
 ) -> MemoryEstimate:
     """Estimate the bytes of parameters, gradients and optimizer state that each rank holds.
 
@@ -161,12 +166,16 @@ def estimate_memory(
             over all ranks. Every figure then equals that of ``world_size=shard_size`` without it, owners included
             (``partition="parameter"`` plans over one group's ranks). Ignored at stage 0, where nothing is sharded.
         secondary_shard_size: stage 3 (ZeRO++ hpZ): units keep 1/secondary_shard_size of their parameters from
-            forward to backward; ``params`` then counts them too, as at the end of forward (see [Note: estimate
-            formulas]). A positive int dividing the stage-3 gather group's size (``shard_size`` or ``world_size``).
+            forward to backward; ``params`` then counts them too, and the root unit gathered in full, as at the end
+            of forward (see [Note: estimate formulas]). A positive int dividing the stage-3 gather group's size
+            (``shard_size`` or ``world_size``).
         quantize_gradients: ZeRO++ qgZ: over ``num_nodes`` > 1, ``gradients`` adds error feedback's fp32 residuals
             (see [Note: estimate formulas]); stages 1-3 (stage 0 ignores it).
         num_nodes: the nodes the ``world_size`` ranks run on, the same number on each (read, and checked, with
             ``quantize_gradients`` only).
+        wrap_policy: the strategy's ``wrap_policy`` (module classes, their import paths, or a callable); read with
+            ``secondary_shard_size`` only: the units other than the root keep slices, the root stays gathered.
+            ``None``: the engine's default units, the repeated blocks.
 
     Returns:
         The per-rank bytes; ``total`` is what stays on the accelerator.
@@ -210,8 +219,12 @@ def estimate_memory(
         offloaded, optimizer_states = offloaded + optimizer_states, 0
     if offload_params:
         offloaded, params = offloaded + params, 0
-    if secondary_shard_size is not None:  # the slices of every unit at the end of forward, on the device
-        params += _per_rank(widths.param * trainable + widths.frozen * frozen, secondary_shard_size)
+    if secondary_shard_size is not None:  # the end of forward: the units' slices and the root gathered, on the device
+        root, root_frozen = _root_elements(model, wrap_policy)
+        params += _per_rank(
+            widths.param * (trainable - root) + widths.frozen * (frozen - root_frozen), secondary_shard_size
+        )
+        params += widths.param * root + widths.frozen * root_frozen
     if offload_optimizer == "nvme" and offload_params == "nvme":  # ZeRO-Infinity: the gradient shard rests there too
         offloaded, gradients = offloaded + gradients, 0
         if accumulating > 1:  # and, accumulating, each reduction's fp32 result until it is folded in
@@ -249,6 +262,14 @@ def _owned(model: nn.Module, stage: int, world_size: int, partition: str) -> tup
         return -(-sum(numels) // world_size), sum(numels) // world_size
     _, loads = assign_owners(numels, world_size)  # by elements: every trained tensor has the same widths
     return max(loads), min(loads)
+
+
+def _root_elements(model: nn.Module, wrap_policy: Any) -> tuple[int, int]:
+    """Trainable and frozen elements of the stage-3 root unit when ``wrap_policy`` chooses the others: the
+    parameters that keep no secondary slice but stay gathered (see [Note: estimate formulas])."""
+    units = select_units(model, resolve_policy("wrap_policy", wrap_policy))
+    root = assign_params(model, units)[model]
+    return sum(p.numel() for p in root if p.requires_grad), sum(p.numel() for p in root if not p.requires_grad)
 
 
 def _feedback_residuals(trainable: int, world_size: int, group: int, num_nodes: int, partition: str) -> int:

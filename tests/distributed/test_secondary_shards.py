@@ -167,12 +167,13 @@ def _one_step(rank: int, secondary: int | None) -> dict[str, Any]:
     }
 
 
-def _memory(rank: int, mixed: bool, offload_params: Any) -> dict[str, Any]:
+def _memory(rank: int, mixed: bool, offload_params: Any, policy: Any = POLICY) -> dict[str, Any]:
     """memory_report() at the end of forward (every unit's slice alive) and after the step."""
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = _engine(model, optimizer, mixed, secondary_shard_size=2, offload_params=offload_params)
+    options = {"secondary_shard_size": 2, "offload_params": offload_params, "wrap_policy": policy}
+    engine = _engine(model, optimizer, mixed, **options)
     out = {}
     for step in range(2):
         engine.begin_iteration()
@@ -227,6 +228,9 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
     for mixed in (False, True):
         for offload in (False, "cpu"):
             out[f"memory/{mixed}/{offload}"] = _memory(rank, mixed, offload)
+    for name, policy in ROOT_HOLDS.items():
+        for offload in (False, "cpu"):
+            out[f"memory/root/{name}/{offload}"] = _memory(rank, True, offload, policy)
     out["error/not-a-divisor"] = _error(rank, secondary_shard_size=3)
     out["error/straddles"] = _error(rank, secondary_shard_size=4)
     out["error/hybrid-not-a-divisor"] = _error(rank, secondary_shard_size=4, shard_size=2)
@@ -290,6 +294,7 @@ def test_memory_report_equals_the_estimate_at_the_end_of_forward(
             offload_optimizer="cpu" if offload else False,
             offload_params=offload,
             secondary_shard_size=secondary,
+            wrap_policy=POLICY,
         ).params
 
     slices = (2 if mixed else 4) * sum(p.numel() for p in model.parameters()) // 2
@@ -303,6 +308,37 @@ def test_memory_report_equals_the_estimate_at_the_end_of_forward(
             assert params == estimate(None), (rank, step)  # every slice freed once backward gathered it
             assert 0 < peak_secondary <= slices, (rank, step)
             assert held == 0, (rank, step)
+
+
+# Policies under which the root unit holds parameters: they keep no slice, and stay gathered from forward to backward.
+ROOT_HOLDS = {"default": None, "linear": {nn.Linear}}  # the default: the repeated layers; the embedding (and head) root
+
+
+@pytest.mark.parametrize("offload", [False, "cpu"])
+@pytest.mark.parametrize("name", list(ROOT_HOLDS))
+def test_the_estimate_counts_the_root_gathered_not_sliced(four: list[dict[str, Any]], name: str, offload: Any) -> None:
+    """Where the root holds parameters, estimate_memory(wrap_policy=) (the CLI's --wrap-policy) counts the slices of
+    the other units and the root gathered in full, as memory_report() measures at the end of forward; it counted a
+    slice of every parameter before (an error of 1/2 the root's bytes here)."""
+    with torch.device("meta"):
+        model = Net()
+    policy = ROOT_HOLDS[name]
+    options = {"stage": 3, "world_size": 4, "precision": "bf16-mixed", "wrap_policy": policy}
+    if offload:
+        options.update(offload_optimizer=offload, offload_params=offload)
+    plain, hpz = estimate_memory(model, **options).params, estimate_memory(model, **options, secondary_shard_size=2)
+    units = list(model.layers) if policy is None else [m for m in model.modules() if isinstance(m, nn.Linear)]
+    in_units = sum(p.numel() for unit in units for p in unit.parameters())
+    root = sum(p.numel() for p in model.parameters()) - in_units
+    slices = 2 * in_units // 2  # bf16
+    assert root > 0
+    assert hpz.params - plain == slices + 2 * root
+    for rank, out in enumerate(four):
+        measured = out[f"memory/root/{name}/{offload}"]
+        for step in range(2):
+            assert measured[f"forward{step}"] == hpz.params, (rank, step)
+            assert measured[f"ledger{step}"] == slices, (rank, step)
+            assert measured[f"after{step}"][0] == plain, (rank, step)
 
 
 def test_bad_values_raise_the_same_error_on_every_rank(four: list[dict[str, Any]]) -> None:
@@ -339,6 +375,7 @@ def test_invalid_options_raise_at_construction(options: dict[str, Any], message:
 
 
 def test_cli_estimate_counts_the_slices_at_stage_3_only(capsys: pytest.CaptureFixture[str]) -> None:
+    from examples.gpt import GPTLightningModule
     from lightning_zero.cli import main
     from tests.unit.test_cli import DEFAULT_GPT_PARAMS, GPT, _rows
 
@@ -348,10 +385,26 @@ def test_cli_estimate_counts_the_slices_at_stage_3_only(capsys: pytest.CaptureFi
     assert main([*base, "--secondary-shard-size", "2"]) == 0
     hpz = capsys.readouterr().out
     assert {k: v for k, v in _rows(hpz).items() if k != "3"} == {k: v for k, v in _rows(plain).items() if k != "3"}
-    params = [float(row["3"][0].removesuffix(" MB")) for row in (_rows(plain), _rows(hpz))]  # 2 decimals
-    assert params[1] - params[0] == pytest.approx(4 * DEFAULT_GPT_PARAMS / 2 / 1e6, abs=0.01)  # fp32 Ψ / 2
+    policy = ["--wrap-policy", "examples.gpt.Block", "torch.nn.Embedding"]
+    assert main([*base, "--secondary-shard-size", "2", *policy]) == 0
+    embeddings = capsys.readouterr().out
+    with torch.device("meta"):
+        module = GPTLightningModule()
+        module.configure_model()
+    blocks = sum(p.numel() for p in module.model.blocks.parameters())
+    assert blocks < DEFAULT_GPT_PARAMS
+    params = [float(row["3"][0].removesuffix(" MB")) for row in map(_rows, (plain, hpz, embeddings))]  # 2 decimals
+
+    def added(in_units: int) -> float:  # fp32: the units' elements / 2 in slices, the root's gathered in full
+        return (4 * in_units / 2 + 4 * (DEFAULT_GPT_PARAMS - in_units)) / 1e6
+
+    assert params[1] - params[0] == pytest.approx(added(blocks), abs=0.01)
+    # wpe joins them; wte stays in the root, tied to lm_head, which no unit holds.
+    assert params[2] - params[0] == pytest.approx(added(blocks + module.model.wpe.weight.numel()), abs=0.01)
     assert "secondary_shard_size=2" in hpz
-    assert "Secondary shards: stage 3's parameters include 1/2 of every unit" in hpz
+    assert "Secondary shards: stage 3's parameters include 1/2 of every unit but the root, which" in hpz
+    with pytest.raises(SystemExit, match=r"wrap_policy: cannot import the class 'examples.gpt.Nothing'"):
+        main([*base, "--secondary-shard-size", "2", "--wrap-policy", "examples.gpt.Nothing"])
     with pytest.raises(SystemExit, match=r"--secondary-shard-size 3 does not divide the stage-3 gather group's 4"):
         main([*base, "--secondary-shard-size", "3"])
 
