@@ -16,6 +16,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
@@ -46,8 +47,26 @@ log = logging.getLogger(__name__)
 _AGREED_TRAINER_SETTINGS = ("accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm")
 
 
-def _trainer_settings(trainer: pl.Trainer) -> list[tuple[str, object]]:
-    return [(f"Trainer {name}", getattr(trainer, name)) for name in _AGREED_TRAINER_SETTINGS]
+# Lightning's callbacks that read and replace the parameters between steps, where stage 3 holds none: without this
+# refusal they raise only when they first read them, after epochs of training (SWA at its swa_epoch_start).
+_READ_PARAMS_BETWEEN_STEPS = (StochasticWeightAveraging, WeightAveraging, ModelPruning)
+
+
+def _trainer_settings(module: pl.LightningModule | None, stage: int, automatic: bool) -> list[tuple[str, object]]:
+    """The settings of the Trainer fitting ``module`` that every rank must share (those of automatic optimization),
+    once its callbacks suit ``stage``."""
+    if module is None:
+        return []
+    trainer = module.trainer
+    refused = [type(c).__name__ for c in trainer.callbacks if isinstance(c, _READ_PARAMS_BETWEEN_STEPS)]
+    if stage == 3 and refused:
+        raise ValueError(
+            f"the callback(s) {', '.join(refused)} read and replace the model's parameters between training steps, "
+            "where ZeroStrategy(stage=3) holds only its shards (its parameters have values inside the forward and "
+            "backward of their unit only). Train with stage 1 or 2, which run these callbacks exactly as DDP does, "
+            "or remove the callback."
+        )
+    return [(f"Trainer {name}", getattr(trainer, name)) for name in _AGREED_TRAINER_SETTINGS] if automatic else []
 
 
 class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
@@ -189,7 +208,7 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         factor = 1.0 / module.trainer.accumulate_grad_batches if automatic else 1.0
         optimizers = [unwrap_optimizer(o) for o in self.optimizers if not isinstance(o, _MockOptimizer)]
         precision = self.precision_plugin
-        settings = _trainer_settings(module.trainer) if automatic else ()
+        settings = _trainer_settings(module, self.config.engine.stage, automatic) if fitting else ()
         policy, scaler = precision.policy(), precision.scaler
         self.session.build(self.model, optimizers, fitting, self.root_device, policy, scaler, factor, False, settings)
         precision.attach(self.session.engine_or_none)

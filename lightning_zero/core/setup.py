@@ -63,13 +63,13 @@ def agree_on_model(
     params = [
         (name, (tuple(p.shape), str(p.dtype), p.requires_grad, groups.get(p))) for name, p in module.named_parameters()
     ]
-    fix = "Build the same model and optimizers, with the same Trainer precision, on every rank before Trainer.fit."
+    fix = "Build the same model, optimizers and precision on every rank (before Trainer.fit or fabric.setup)."
     comm.agree("the model's parameters (shape, dtype, requires_grad, optimizer group)", params, fix)
     fix = (
-        "Pass the same ZeroStrategy options and Trainer precision, accumulate_grad_batches and gradient clipping on "
-        "every rank."
+        "Pass the same options on every rank: ZeroStrategy's and the Trainer's precision, accumulate_grad_batches "
+        "and gradient clipping; with Fabric, ZeroFabricStrategy's and Fabric's precision."
     )
-    comm.agree("ZeroStrategy options and precision", list(described), fix)
+    comm.agree("the strategy's options and precision", list(described), fix)
 
 
 def describe(

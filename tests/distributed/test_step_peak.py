@@ -10,6 +10,10 @@ just ended, freed when its inputs' gradients are complete, i.e. as the next bloc
 and the one prefetched after it), every bucket's staging buffer and reduce-scatter output in ``reduce_dtype``, and
 the fp32 step gradients of the masters (4 bytes an owned element). Activations are not counted on the CPU (the
 allocator's peak is CUDA's), so the bound has no term for them.
+
+With bf16 gradients summed in fp32 the reduce-scatter writes into the staging buffer (see [Note:
+the result in the staging buffer]): the same steps with a separate result buffer give the same masters bit for bit
+and hold more in buckets at their most.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.mixed_precision import PrecisionPolicy
 from lightning_zero.core.options import EngineOptions
 from lightning_zero.core.stage3.units import GatherUnit
-from lightning_zero.core.step.buckets import GradBucket
+from lightning_zero.core.step.buckets import GradBucket, part_of
 from lightning_zero.core.step.full_bucket import FullGradBucket
 from lightning_zero.core.step.optimizer_step import OptimizerStep
+from lightning_zero.core.step.shard_bucket import ShardGradBucket
 from lightning_zero.core.step.step_grads import StepGrads
 from tests.helpers import run_on_ranks
 
@@ -37,6 +42,7 @@ DEPTH = 4
 STEPS = 2
 CASES = [(stage, precision, free) for stage in (1, 2, 3) for precision in ("32-true", "bf16-mixed") for free in (0, 1)]
 KINDS = ("gathered", "buckets", "temporaries")
+SEPARATE_RESULT = [(stage, "bf16-mixed", 0) for stage in (1, 2, 3)]  # measured again with a separate result buffer
 
 
 class Block(nn.Module):
@@ -73,6 +79,7 @@ class Probe:
 
     def reset(self) -> None:
         self.peak, self.peak_sum = dict.fromkeys(KINDS, 0), 0
+        self.most_in_buckets = 0  # the buckets' highest bytes, whether or not the peak of the sum
 
     def __call__(self) -> None:
         model = self.engine.model
@@ -80,6 +87,7 @@ class Probe:
         buckets = sum(bucket.nbytes - _persistent(bucket) for bucket in model.buckets)
         temporaries = sum(step.step_grad_nbytes for step in model.steps)
         now = {"gathered": gathered, "buckets": buckets, "temporaries": temporaries}
+        self.most_in_buckets = max(self.most_in_buckets, buckets)
         if sum(now.values()) > self.peak_sum:
             self.peak, self.peak_sum = now, sum(now.values())
 
@@ -132,6 +140,9 @@ def _measure(rank: int, stage: int, precision: str, free: int, probe: list[Probe
     options = EngineOptions(stage=stage, bucket_cap_mb=0.002, free_gradients_after_step=bool(free))
     engine = ZeroEngine(model, [optimizer], options, Communicator(), precision=policy)
     probe[:] = [Probe(engine)]
+    in_staging: list[bool] = []  # per launch of the last backward: the result is a part of the staging buffer
+    for bucket in engine.model.buckets:
+        _record_launches(bucket, in_staging)
     for step in range(STEPS):
         engine.begin_iteration()
         probe[0].reset()
@@ -139,6 +150,7 @@ def _measure(rank: int, stage: int, precision: str, free: int, probe: list[Probe
         inputs = torch.randn(6, 11, generator=torch.Generator().manual_seed(10 * rank + step))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
             loss = model(inputs).float().square().mean()
+        in_staging.clear()
         engine.scale_loss(loss).backward()
         engine.finish_backward()
         engine.step_of(optimizer).prepare()
@@ -153,14 +165,29 @@ def _measure(rank: int, stage: int, precision: str, free: int, probe: list[Probe
         "total": report.total,
         "held_gradients": held,  # before the last step; emptied by the free or the zero_grad after it
         "probe": dict(probe[0].peak),
+        "most_in_buckets": probe[0].most_in_buckets,
         "during_step": during_step,
         "bounds": _bounds(engine, stage, mixed),
         "root": _unit_bytes(engine.model.scheduler.root) if stage == 3 else 0,  # type: ignore[attr-defined]
         "block": max((_unit_bytes(u) for u in engine.model.units if not u.is_root), default=0),
+        "masters": list(engine.full_state_dict(keep=True).values()),  # fp32 where masters are kept
+        "results_in_staging": in_staging,
+        "bucket_parts": [bucket.buffer.shard_numel for bucket in engine.model.buckets],
     }
     probe.clear()
     engine.release()
     return out
+
+
+def _record_launches(bucket: GradBucket, in_staging: list[bool]) -> None:
+    launch = bucket.launch
+
+    def recorded() -> None:
+        launch()
+        staging = bucket.staging if isinstance(bucket, ShardGradBucket) else bucket._staging  # type: ignore[attr-defined]
+        in_staging.append(part_of(bucket._output, staging))  # type: ignore[attr-defined]
+
+    bucket.launch = recorded  # type: ignore[method-assign]
 
 
 def _all(rank: int, world_size: int) -> dict[tuple[int, str, int], dict[str, Any]]:
@@ -171,7 +198,11 @@ def _all(rank: int, world_size: int) -> dict[tuple[int, str, int], dict[str, Any
             _wrap(cls, name, probe)
     for name in ("add_grad", "launch", "wait", "finish", "reset"):
         _wrap(GradBucket, name, probe)
-    return {case: _measure(rank, *case, probe) for case in CASES}
+    results: dict[Any, dict[str, Any]] = {case: _measure(rank, *case, probe) for case in CASES}
+    GradBucket._rounded_in_at_wait = ShardGradBucket._rounded_in_at_wait = lambda self: False  # type: ignore[method-assign]
+    for case in SEPARATE_RESULT:
+        results[("separate", *case)] = _measure(rank, *case, probe)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +256,19 @@ def test_freeing_gradients_after_the_step_reports_the_same_peak(
     reported peak is the one of the same steps without the option."""
     for rank, results in enumerate(ranks):
         assert results[case]["peak"] == results[(*case[:2], 0)]["peak"], f"rank {rank}"
+
+
+@pytest.mark.parametrize("case", SEPARATE_RESULT, ids=lambda c: f"stage{c[0]}")
+def test_fp32_sums_of_bf16_gradients_land_in_the_staging_buffer(
+    ranks: list[dict[Any, dict[str, Any]]], case: tuple[int, str, int]
+) -> None:
+    for rank, results in enumerate(ranks):
+        into_staging, separate = results[case], results[("separate", *case)]
+        assert into_staging["results_in_staging"], rank  # the last backward launched buckets
+        assert all(into_staging["results_in_staging"]), rank
+        assert not any(separate["results_in_staging"]), rank
+        for got, expected in zip(into_staging["masters"], separate["masters"], strict=True):
+            assert torch.equal(got, expected), f"rank {rank}"
+        # the separate result costs at least the smallest bucket's part: 4 bytes an element of the rank's shard
+        smallest_part = 4 * min(into_staging["bucket_parts"])
+        assert into_staging["most_in_buckets"] + smallest_part <= separate["most_in_buckets"], f"rank {rank}"

@@ -12,8 +12,10 @@ keeps only shards between steps, and each of these reads parameter values there 
   ticket, then sets each pruned parameter's ``.data`` to its values at ``setup``);
 - ``BeforeAfter.on_train_batch_start`` clones ``b.weight`` before the step's forward.
 
-So at stage 3 ``trainer.fit`` must raise, on every rank, a ``RuntimeError`` that points to ``gathered_params``. The
-one exception is ``TiedCheck.on_fit_start``, which compares the tied weights with ``torch.equal``: they are one
+So at stage 3 ``trainer.fit`` must raise, on every rank: before the first step for Lightning's three (a
+``ValueError`` naming the callback: SWA would otherwise fail only at its ``swa_epoch_start``, after epochs of
+training), and for a callback of the user's a ``RuntimeError`` that points to ``gathered_params``. The one
+exception is ``TiedCheck.on_fit_start``, which compares the tied weights with ``torch.equal``: they are one
 parameter, and a tensor equals itself without its values being read (see [Note: stage-3 parameters at rest]),
 so it records what DDP records.
 
@@ -135,7 +137,7 @@ def _fit(world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     try:
         trainer.fit(model, loader)
     except Exception as error:
-        return {"fit_error": error_of(error), "traceback": traceback.format_exc()}
+        return {"fit_error": error_of(error), "traceback": traceback.format_exc(), "global_step": trainer.global_step}
     with full_params(trainer):
         state = state_of(model)
     averaged = None
@@ -294,6 +296,12 @@ def test_the_oracles_exercise_the_callbacks(runs: dict[str, Any]) -> None:
 
 
 READING_AT_REST = [name for name in CALLBACKS if name != "tied_check"]
+LIGHTNINGS = {  # Lightning's callbacks that read and replace parameters between steps: refused at setup
+    "ema": "EMAWeightAveraging",
+    "swa": "StochasticWeightAveraging",
+    "pruning": "ModelPruning",
+    "pruning_no_lottery_ticket": "ModelPruning",
+}
 
 
 def test_stage3_tied_check_compares_one_parameter_with_itself(
@@ -308,14 +316,22 @@ def test_stage3_tied_check_compares_one_parameter_with_itself(
 def test_stage3_callback_reading_parameters_at_rest_fails_clearly(
     stage3_runs: dict[str, list[dict[str, Any]]], name: str
 ) -> None:
-    """At stage 3 the callback reads parameters that hold no values: fit raises the same RuntimeError on every rank,
-    pointing to gathered_params (no segfault, no hang, no silently wrong values)."""
+    """At stage 3 the callback reads parameters that hold no values: fit raises the same error on every rank (no
+    segfault, no hang, no silently wrong values): Lightning's callbacks are refused before the first step, naming
+    the callback and the stages that run it; a callback of the user's raises a RuntimeError pointing to
+    gathered_params where it reads."""
     for rank, result in enumerate(stage3_runs[name]):
         result = result_of(result)
         assert "fit_error" in result, f"rank {rank}: fit should raise, but it ended at step {result['global_step']}"
-        error = result["fit_error"]
-        assert error["runtime_error"], f"rank {rank}: expected a RuntimeError, got {error}\n{result['traceback']}"
-        assert "gathered_params" in error["message"], f"rank {rank}: {error['message']}"
+        error, message = result["fit_error"], result["fit_error"]["message"]
+        if name in LIGHTNINGS:
+            assert error["type"] == "ValueError", f"rank {rank}: {error}\n{result['traceback']}"
+            assert result["global_step"] == 0, f"rank {rank}: refused after {result['global_step']} steps"
+            assert LIGHTNINGS[name] in message, f"rank {rank}: {message}"
+            assert "stage 1 or 2" in message, f"rank {rank}: {message}"
+        else:
+            assert error["runtime_error"], f"rank {rank}: expected a RuntimeError, got {error}\n{result['traceback']}"
+            assert "gathered_params" in message, f"rank {rank}: {message}"
 
 
 @pytest.mark.parametrize("kind", CKPT_TYPES)

@@ -103,9 +103,9 @@ def test_rank_dependent_precision_raises_on_every_rank(outcomes: list[dict[str, 
     for rank, results in enumerate(outcomes):
         kind, message = results["precision"]
         assert kind == "RuntimeError", f"rank {rank}: {kind}: {message}"
-        assert "ranks disagree on ZeroStrategy options and precision" in message, f"rank {rank}: {message}"
+        assert "ranks disagree on the strategy's options and precision" in message, f"rank {rank}: {message}"
         assert "'precision.param_dtype' bfloat16" in message, f"rank {rank}: {message}"
-        assert "Trainer precision" in message, f"rank {rank}: the error should say what to fix: {message}"
+        assert "the Trainer's precision" in message, f"rank {rank}: the error should say what to fix: {message}"
 
 
 @pytest.mark.parametrize(("setting", "shown"), [("accumulate_grad_batches", "1"), ("gradient_clip_val", "0.5")])
@@ -117,7 +117,7 @@ def test_rank_dependent_trainer_setting_raises_on_every_rank(
         kind, message = results[setting]
         assert kind == "RuntimeError", f"rank {rank}: {kind}: {message}"
         assert f"rank 0 has 'Trainer {setting}' {shown}, rank 1 has" in message, f"rank {rank}: {message}"
-        assert f"Trainer precision, {setting}" in message or "gradient clipping" in message, message
+        assert "accumulate_grad_batches and gradient clipping" in message, message
 
 
 def test_a_step_skipped_on_one_rank_raises_on_every_rank(outcomes: list[dict[str, tuple[str, str]]]) -> None:

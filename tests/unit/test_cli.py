@@ -254,8 +254,10 @@ def _header(output: str) -> str:
             "\n    class_path: lightning_zero.ZeroStrategy\n    init_args:\n      stage: 3\n      shard_size: 2\n"
             "      offload_optimizer: true\n      secondary_shard_size: 2\n      quantize_gradients: true\n"
             "      weighted_loss: true\n      wrap_policy: [examples.gpt.Block, torch.nn.Embedding]",
-            ["--shard-size", "2", "--offload-optimizer", "cpu", "--secondary-shard-size", "2", "--quantize-gradients"]
-            + ["--wrap-policy", "examples.gpt.Block", "torch.nn.Embedding"],
+            [
+                *("--shard-size", "2", "--offload-optimizer", "cpu", "--secondary-shard-size", "2"),
+                *("--quantize-gradients", "--wrap-policy", "examples.gpt.Block", "torch.nn.Embedding"),
+            ],
         ),
         (" zero_3_offload", ["--offload-optimizer", "cpu", "--offload-params", "cpu"]),
         (

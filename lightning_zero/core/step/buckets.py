@@ -27,6 +27,18 @@ A bucket is ``IDLE`` between backward passes, ``FILLING`` once a gradient of the
 ``IDLE`` again. A pass that raised leaves a bucket ``FILLING`` or ``LAUNCHED``: :meth:`GradBucket.reset`
 (run by ``ZeroEngine.begin_iteration``) waits for its reduction and drops what the failed pass added, so the
 next pass starts clean and the gradients held before it are kept.
+
+[Note: the result in the staging buffer]
+Where gradients are summed in a wider dtype than they are held in (bf16-mixed's fp32 sums), a bucket reduce-scatters
+a wide staging copy and rounds the result into its held gradient as soon as the reduction completes. Where nothing
+follows the reduce-scatter (no all-reduce across replicas, no quantized hop across nodes; at stages 2-3 also nothing
+live to add to and nothing resting on disk) the reduce-scatter writes its result into this rank's own part of the
+staging copy instead of a buffer of its own: the staging copy lives until the result is rounded in anyway, so a
+bucket in flight holds it alone, not also a wide result of ``reduce_bytes * Ψ_bucket / N``. Gloo's reduce-scatter
+reads its inputs into a buffer of its own before it writes the output, and NCCL reduces in place where the output is
+the input's part at ``rank * count``; tests/distributed/test_step_peak.py sets the two ways against each other bit
+for bit. Elsewhere the result needs a buffer of its own: an all-reduce across replicas runs on it until the end of
+backward, and a view would keep the whole staging copy alive that long.
 """
 
 from __future__ import annotations
@@ -215,6 +227,19 @@ class GradBucket(ABC):
         self._discard_pass()
         self.end_pass()
 
+    def _wide_result(self, staging: Tensor) -> Tensor:
+        """Where the reduce-scatter of the wide ``staging`` writes: this rank's part of ``staging`` itself where the
+        result is rounded in as soon as it completes, a buffer of its own otherwise (see [Note: the result in the
+        staging buffer])."""
+        if self._rounded_in_at_wait():
+            low, high = self.buffer.bounds
+            return staging[low:high]
+        return torch.empty(self.buffer.shard_numel, dtype=self.reduce_dtype, device=staging.device)
+
+    def _rounded_in_at_wait(self) -> bool:
+        """Nothing follows the reduce-scatter: no all-reduce across replicas, no quantized hop across nodes."""
+        return self.reduction.replicate is None and self.reduction.quantized is None
+
     def _slot_view(self, flat: Tensor, slot: int) -> Tensor:
         entry = self.buffer.layout.slots[slot]
         return flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
@@ -252,6 +277,11 @@ class GradBucket(ABC):
     @abstractmethod
     def nbytes(self) -> int:
         """Bytes of gradient storage this bucket holds now."""
+
+
+def part_of(part: Tensor | None, whole: Tensor | None) -> bool:
+    """``part`` is a view into ``whole``: its bytes are ``whole``'s."""
+    return part is not None and whole is not None and part._base is whole
 
 
 # Bucket reductions allowed in flight while backward runs. A launched bucket keeps its full-size staging buffer

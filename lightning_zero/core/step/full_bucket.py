@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer
 from lightning_zero.core.peak import Tracked
-from lightning_zero.core.step.buckets import BucketState, GradBucket
+from lightning_zero.core.step.buckets import BucketState, GradBucket, part_of
 from lightning_zero.core.step.reduction import GradientReduction
 
 
@@ -28,7 +28,10 @@ class FullGradBucket(GradBucket):
     # Transient (see [Note: step peak ledger]): the bucket in a wider reduce_dtype and the reduction's output while
     # it runs; live reduced gradients kept across an accumulation.
     _staging: Tracked[Tensor | None] = Tracked("buckets")
-    _output: Tracked[Tensor | None] = Tracked("buckets")
+    # (not counted while a part of _staging: see [Note: the result in the staging buffer])
+    _output: Tracked[Tensor | None] = Tracked(
+        "buckets", lambda bucket, t: _bytes(None if part_of(t, bucket._staging) else t)
+    )
     _carry: Tracked[Tensor | None] = Tracked("buckets")
 
     def __init__(
@@ -110,7 +113,7 @@ class FullGradBucket(GradBucket):
             self._work = self.reduction.reduce_scatter(self.shard_grad, self.full_grad, self._sizes)
             return
         self._staging = self.full_grad.to(self.reduce_dtype).div_(self.reduction.world_size)
-        self._output = torch.empty(self.shard_grad.numel(), dtype=self.reduce_dtype, device=self.full_grad.device)
+        self._output = self._wide_result(self._staging)
         self._work = self.reduction.reduce_scatter(self._output, self._staging, self._sizes)
 
     @property
@@ -118,8 +121,10 @@ class FullGradBucket(GradBucket):
         return self.buffer.layout.uneven_sizes
 
     def _release_staging(self) -> None:
-        """Free the wide copy of the bucket; the full gradient buffer itself persists by design."""
-        self._staging = None
+        """Free the wide copy of the bucket (once the result in it is rounded in); the full gradient buffer itself
+        persists by design."""
+        if not part_of(self._output, self._staging):
+            self._staging = None
 
     def _reduction_result(self) -> Tensor:
         return self._output if self._output is not None else self.shard_grad
@@ -129,14 +134,14 @@ class FullGradBucket(GradBucket):
         bucket would otherwise wait for the end of backward."""
         if self._output is not None:
             self.shard_grad.copy_(self._output)
-            self._output = None
+            self._output = self._staging = None
 
     def _fold_reduction(self, globally_used: Sequence[bool]) -> None:
         # The reduction wrote the own segment (in place, or in reduce_dtype to round into it now); live gradients
         # were set aside beforehand.
         if self._output is not None:
             self.shard_grad.copy_(self._output)
-            self._output = None
+            self._output = self._staging = None
         if self._carry is not None:
             self.shard_grad.add_(self._carry)
             self._carry = None
@@ -163,5 +168,9 @@ class FullGradBucket(GradBucket):
 
     @property
     def nbytes(self) -> int:
-        held = [t for t in (self._full, self._staging, self._output, self._carry) if t is not None]
-        return sum(t.numel() * t.element_size() for t in held)
+        output = None if part_of(self._output, self._staging) else self._output  # (else counted with the staging)
+        return sum(_bytes(t) for t in (self._full, self._staging, output, self._carry))
+
+
+def _bytes(tensor: Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()

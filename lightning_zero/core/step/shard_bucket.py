@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lightning_zero.core.layout.flat_buffer import FlatParamBuffer, ShardStorage
 from lightning_zero.core.peak import Tracked
-from lightning_zero.core.step.buckets import BucketState, GradBucket
+from lightning_zero.core.step.buckets import BucketState, GradBucket, part_of
 from lightning_zero.core.step.reduction import GradientReduction
 
 
@@ -35,8 +35,9 @@ class ShardGradBucket(GradBucket):
 
     # 1D, layout.padded_numel while the bucket is being filled or reduced
     staging: Tracked[Tensor | None] = Tracked("buckets")
-    # 1D, shard_numel while the reduction is in flight (the held shard itself when it reduces in place: not counted)
-    _output: Tracked[Tensor | None] = Tracked("buckets", lambda bucket, t: 0 if t is bucket._shard_grad else _nbytes(t))
+    # 1D, shard_numel while the reduction is in flight; not counted where it is the held shard itself (a reduction
+    # in place) or this rank's part of the staging buffer (see [Note: the result in the staging buffer])
+    _output: Tracked[Tensor | None] = Tracked("buckets", lambda bucket, t: 0 if _within(t, bucket) else _nbytes(t))
 
     def __init__(
         self,
@@ -129,11 +130,16 @@ class ShardGradBucket(GradBucket):
             self._output = self.shard_grad
             self._clean = False
         else:
-            self._output = torch.empty(self._shape[1], dtype=self.reduce_dtype, device=self.device)
+            self._output = self._wide_result(staging)
         self._work = self.reduction.reduce_scatter(self._output, staging, self.buffer.layout.uneven_sizes)
 
+    def _rounded_in_at_wait(self) -> bool:
+        """:meth:`_fold_now` rounds the result in: also nothing is live and nothing rests on disk."""
+        return super()._rounded_in_at_wait() and self.resting is None and not any(self.live)
+
     def _release_staging(self) -> None:
-        self.staging = None
+        if not part_of(self._output, self.staging):
+            self.staging = None  # (holding the result: freed once it is rounded in, see _fold_now)
 
     def _reduction_result(self) -> Tensor:
         assert self._output is not None
@@ -167,6 +173,7 @@ class ShardGradBucket(GradBucket):
         else:
             self._shard_grad.copy_(self._output)
         self._output, self._in_place, self._clean = None, True, False
+        self.staging = None
 
     def _replace_shard(self, values: Tensor) -> None:
         """``resting``: the shard becomes ``values`` in its own dtype and goes to its region (nothing is read)."""
@@ -207,7 +214,8 @@ class ShardGradBucket(GradBucket):
 
     @property
     def nbytes(self) -> int:
-        held = [t for t in (self._shard_grad, self.staging, self._output) if t is not None]
+        output = None if _within(self._output, self) else self._output  # (else counted with what it is part of)
+        held = [t for t in (self._shard_grad, self.staging, output) if t is not None]
         return sum(t.numel() * t.element_size() for t in {id(t): t for t in held}.values())
 
     @property
@@ -220,3 +228,8 @@ class ShardGradBucket(GradBucket):
 
 def _nbytes(tensor: Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def _within(output: Tensor | None, bucket: ShardGradBucket) -> bool:
+    """``output`` is memory the bucket counts otherwise: its held shard, or a part of its staging buffer."""
+    return output is not None and (output is bucket._shard_grad or part_of(output, bucket.staging))
