@@ -36,6 +36,17 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class _Works:
+    """Several works waited for as one."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     """Median (issue, total) seconds of each collective on this rank, in the gloo group the launcher started."""
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -47,6 +58,9 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, tup
         "reduce_scatter_single (comm.py)": lambda: _reduce_scatter_single(shard, full, async_op=True),
         "reduce_scatter, list of chunks": lambda: dist.reduce_scatter(
             shard, list(full.chunk(world_size)), async_op=True
+        ),
+        "reduce_scatter as one reduce per rank (the uneven path)": lambda: _Works(
+            [dist.reduce(chunk, dst=r, async_op=True) for r, chunk in enumerate(full.chunk(world_size))]
         ),
         "all_gather_single (comm.py)": lambda: _all_gather_single(full, shard, async_op=True),
         "all_gather, list of chunks": lambda: dist.all_gather(list(full.chunk(world_size)), shard, async_op=True),
