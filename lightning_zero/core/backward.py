@@ -18,8 +18,9 @@ from lightning_zero.core.comm.hyperparams import HyperparameterAgreement
 from lightning_zero.core.shards import ShardedModel
 from lightning_zero.core.stage3.reachability import reached_leaves
 from lightning_zero.core.stage3.units import GatherUnit
-from lightning_zero.core.step.buckets import BucketState, GradBucket, GradReducer
+from lightning_zero.core.step.buckets import BucketState, GradBucket
 from lightning_zero.core.step.optimizer_step import LossScaling
+from lightning_zero.core.step.reducer import GradReducer
 
 
 class BackwardPass:
