@@ -85,10 +85,16 @@ def _add_consolidate_parser(commands: argparse._SubParsersAction) -> None:
 def _consolidate(args: argparse.Namespace) -> int:
     from lightning_zero.checkpoint import CheckpointError, consolidate
 
+    if not args.out_file.parent.is_dir():
+        print(f"lightning-zero consolidate: {args.out_file.parent} does not exist: create it first.", file=sys.stderr)
+        return 1
     try:
         consolidate(args.checkpoint_dir, args.out_file, progress=_ProgressLine())
     except (CheckpointError, ValueError) as error:  # a damaged checkpoint, an output inside it
         print(f"lightning-zero consolidate: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # the output cannot be written (permissions, a full disk, a read-only file system)
+        print(f"lightning-zero consolidate: cannot write {args.out_file}: {error.strerror or error}", file=sys.stderr)
         return 1
     print(f"wrote {args.out_file} ({args.out_file.stat().st_size:,} bytes)")
     return 0
@@ -114,12 +120,19 @@ def _add_convert_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from lightning_zero.checkpoint import CheckpointError, convert
 
     try:
         convert(args.checkpoint_dir, args.out_dir, to=args.to, progress=_ProgressLine("convert"))
     except (CheckpointError, ValueError) as error:  # a damaged checkpoint, an output inside it or not empty
         print(f"lightning-zero convert: {error}", file=sys.stderr)
+        return 1
+    except (OSError, CheckpointException) as error:  # the output cannot be written (DCP wraps its writers' errors)
+        cause = next(iter(error.failures.values()), error) if isinstance(error, CheckpointException) else error
+        cause = cause[0] if isinstance(cause, tuple) else cause  # DCP keeps (exception, its stack) per rank
+        print(f"lightning-zero convert: cannot write {args.out_dir}: {cause}", file=sys.stderr)
         return 1
     size = sum(f.stat().st_size for f in args.out_dir.iterdir() if f.is_file())
     print(f"wrote {args.out_dir} ({size:,} bytes, {args.to})")
@@ -231,6 +244,7 @@ def _estimate(args: argparse.Namespace) -> None:
         check_secondary_shard_size(args.secondary_shard_size, 3, group)
         if args.world_size % args.num_nodes:
             raise ValueError(f"num_nodes={args.num_nodes} does not divide world_size={args.world_size}")
+        _check_as_the_strategy(args)
     except ValueError as error:  # checked before the model is built: the fix is on the command line
         message = str(error).replace("secondary_shard_size=", "--secondary-shard-size ")
         message = message.replace("shard_size=", "--shard-size ").replace("world_size=", "--world-size ")
@@ -281,6 +295,26 @@ def _estimate(args: argparse.Namespace) -> None:
             "Quantized gradients: stages 1-3's gradients include error feedback's fp32 residuals of what a rank "
             "sends across nodes."
         )
+
+
+def _check_as_the_strategy(args: argparse.Namespace) -> None:
+    """Refuse what ZeroStrategy refuses of these options (the table would show a run that cannot start)."""
+    if args.offload_params and not args.offload_optimizer:
+        raise ValueError(
+            f"offload_params={args.offload_params} needs offload_optimizer: ZeroStrategy refuses parameters offloaded "
+            "without the optimizer (it steps the shards where they rest). Add --offload-optimizer cpu (or nvme)."
+        )
+    per_node = args.world_size // args.num_nodes
+    straddles = {  # option: value, and whether it may also span whole nodes (hybrid shard groups may)
+        "secondary_shard_size": (args.secondary_shard_size, False),
+        "shard_size": (args.shard_size, True),
+    }
+    for option, (size, whole_nodes) in straddles.items():
+        if size is not None and per_node % size and (not whole_nodes or size % per_node):
+            raise ValueError(
+                f"{option}={size} does not fit nodes of {per_node} ranks (world_size={args.world_size} over "
+                f"num_nodes={args.num_nodes}): a group would straddle two nodes, which ZeroStrategy refuses."
+            )
 
 
 def _row(model: nn.Module, stage: int, args: argparse.Namespace) -> list[str]:

@@ -33,6 +33,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
         config = yaml.safe_load(path.read_text())
     except OSError as error:
         raise SystemExit(f"lightning-zero estimate: cannot read --config {str(path)!r}: {error}") from None
+    except yaml.YAMLError as error:
+        where = " ".join(str(error).strip().splitlines())
+        raise SystemExit(f"lightning-zero estimate: --config {str(path)!r} is not valid YAML: {where}") from None
     return config if isinstance(config, dict) else {}
 
 
@@ -104,6 +107,29 @@ def _strategy_options(strategy: Any) -> dict[str, Any]:
         options = PRESETS[strategy][0] if strategy in PRESETS else {}
     elif isinstance(strategy, dict) and str(strategy.get("class_path", "")).rpartition(".")[2] == "ZeroStrategy":
         options = strategy.get("init_args") or {}
+        _check_init_args(options)
     else:
         options = {}
     return {name: value for name, value in options.items() if name in _STRATEGY_DEFAULTS or name == "stage"}
+
+
+def _check_init_args(options: dict[str, Any]) -> None:
+    """As LightningCLI and the strategy would: an option ZeroStrategy does not take, or values it refuses, end the
+    command (the estimate would describe a run that cannot start)."""
+    import inspect
+
+    from lightning_zero.strategy import ZeroStrategy
+
+    accepted = set(inspect.signature(ZeroStrategy.__init__).parameters) - {"self"}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise SystemExit(
+            f"lightning-zero estimate: --config's ZeroStrategy has no option {unknown[0]!r} (LightningCLI refuses it "
+            f"too); its options: {', '.join(sorted(accepted))}."
+        )
+    as_read = {name: "cpu" if v is True and name.startswith("offload") else v for name, v in options.items()}
+    as_read["nvme_path"] = "/"  # the estimate needs no swap directory
+    try:
+        ZeroStrategy(**as_read)
+    except (ValueError, TypeError) as error:
+        raise SystemExit(f"lightning-zero estimate: --config's ZeroStrategy refuses its options: {error}") from None

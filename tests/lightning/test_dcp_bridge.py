@@ -138,3 +138,5 @@ def test_cli_convert(ranks: Any, capsys: pytest.CaptureFixture[str]) -> None:
     assert "wrote" in capsys.readouterr().out
     assert main(["convert", str(ranks[1] / "zero3.ckpt"), str(out), "--to", "dcp"]) == 1
     assert "exists and is not an empty directory" in capsys.readouterr().err
+    assert main(["convert", str(ranks[1] / "zero3.ckpt"), "/proc/dcp_out", "--to", "dcp"]) == 1  # not writable
+    assert "lightning-zero convert: cannot write /proc/dcp_out: [Errno" in capsys.readouterr().err

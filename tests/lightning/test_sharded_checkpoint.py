@@ -231,6 +231,18 @@ def test_consolidate_names_a_missing_rank_file(runs: dict[str, Any], tmp_path: P
     assert not (tmp_path / "out.ckpt").exists()
 
 
+def test_consolidate_into_a_place_it_cannot_write_says_so(
+    runs: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A message naming the output, not a traceback of an internal temporary file."""
+    from lightning_zero.cli import main
+
+    assert main(["consolidate", str(runs["dir"] / "z3_3"), str(tmp_path / "missing" / "out.ckpt")]) == 1
+    assert f"{tmp_path / 'missing'} does not exist: create it first" in capsys.readouterr().err
+    assert main(["consolidate", str(runs["dir"] / "z3_3"), "/proc/out.ckpt"]) == 1  # not writable, even by root
+    assert "lightning-zero consolidate: cannot write /proc/out.ckpt: " in capsys.readouterr().err
+
+
 def test_model_checkpoint_keeps_sharded_directories_that_validate_and_resume(runs: dict[str, Any]) -> None:
     for rank, outcome in enumerate(runs["model_checkpoint"]):
         outcome = result_of(outcome)

@@ -59,11 +59,51 @@ def test_estimate_builds_a_large_model_in_configure_model_on_meta(capsys: pytest
 
 
 def test_offload_params_applies_to_stage_3_only(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["estimate", "--model", GPT, "--world-size", "2", "--precision", "32-true", "--offload-params", "nvme"]
-    assert main(argv) == 0
+    argv = ["estimate", "--model", GPT, "--world-size", "2", "--precision", "32-true"]
+    assert main([*argv, "--offload-params", "cpu", "--offload-optimizer", "cpu"]) == 0
     rows = _rows(capsys.readouterr().out)
-    assert rows["2"][0] == "0.48 MB"
-    assert rows["3"] == ["0.00 MB", "0.24 MB", "0.48 MB", "0.24 MB", "0.72 MB"]
+    # Ψ = 120,576, N = 2: stage 2 offloads the optimizer's 12Ψ/N (masters' state and a gradient copy) and keeps the
+    # 4Ψ parameters; stage 3 offloads the 4Ψ/N parameter shard too.
+    assert rows["2"] == ["0.48 MB", "0.24 MB", "0.00 MB", "0.72 MB", "0.72 MB"]
+    assert rows["3"] == ["0.00 MB", "0.24 MB", "0.00 MB", "0.96 MB", "0.24 MB"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "config", "match"),
+    [
+        (["--world-size", "2", "--offload-params", "cpu"], None, "needs offload_optimizer: ZeroStrategy refuses"),
+        (
+            ["--world-size", "4", "--num-nodes", "2", "--secondary-shard-size", "4"],
+            None,
+            "--secondary-shard-size 4 does not fit nodes of 2 ranks",
+        ),
+        (["--world-size", "4", "--num-nodes", "2", "--shard-size", "3"], None, "--shard-size 3 does not"),
+        ([], "shard_sise: 2", "ZeroStrategy has no option 'shard_sise'"),
+        ([], "stage: 5", "ZeroStrategy refuses its options: stage=5 is not supported"),
+        ([], "stage: 2\n      secondary_shard_size: 2", "secondary_shard_size=2 needs stage=3"),
+    ],
+)
+def test_estimate_refuses_what_the_strategy_refuses(
+    tmp_path: Path, extra: list[str], config: str | None, match: str
+) -> None:
+    """A table for a run ZeroStrategy would refuse would mislead: the command exits naming why."""
+    argv = ["estimate", "--model", GPT, *extra]
+    if config is not None:
+        path = tmp_path / "c.yaml"
+        path.write_text(
+            "model: {}\ntrainer:\n  devices: 2\n  strategy:\n    class_path: lightning_zero.ZeroStrategy\n"
+            f"    init_args:\n      {config}\n"
+        )
+        argv += ["--config", str(path)]
+    with pytest.raises(SystemExit, match=match):
+        main(argv)
+
+
+def test_a_config_that_is_not_yaml_exits_with_a_message(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("model: [1, 2\n")
+    with pytest.raises(SystemExit, match=r"is not valid YAML: while parsing a flow sequence"):
+        main(["estimate", "--config", str(path), "--model", GPT])
 
 
 def test_accumulation_adds_the_waiting_reduction_with_both_offloads_on_nvme(
