@@ -270,7 +270,7 @@ BAD_SHARD_SIZES: dict[str, tuple[int, int, list[Any], int | None, str]] = {
         2,
         [2, 2, 4, 2],
         None,
-        r"RuntimeError: ranks disagree on ZeroStrategy options .*'shard_size' 2, rank 2 has 4",
+        r"RuntimeError: ranks disagree on the strategy's options and precision: .*'shard_size' 2, rank 2 has 4",
     ),
     "straddles-nodes": (
         6,
