@@ -225,7 +225,8 @@ class ZeroSystem(System):
         with self.forward_context():
             loss = lm_loss(self.model, x, y)
         t2 = now(device)
-        loss.backward()  # hooks fill the buckets; reduce-scatters overlap backward and are waited for at its end
+        # announced, as ZeroStrategy and ZeroFabricStrategy do: stage 3's backward plan and its prefetch
+        self.engine.scale_loss(loss).backward()  # hooks fill the buckets; reduce-scatters overlap backward
         self.engine.finish_backward()  # a no-op here: every rank's backward reached the hooks
         t3 = now(device)
         self.engine.step_of(self.optimizer).prepare()  # bf16: fp32 gradients for the masters; fp32: the held ones
@@ -337,7 +338,7 @@ class BaselineZeroSystem(ZeroSystem):
         with self.forward_context():
             loss = lm_loss(self.model, x, y)
         t2 = now(device)
-        loss.backward()
+        getattr(engine, "scale_loss", lambda loss: loss)(loss).backward()
         getattr(engine, "finish_backward", lambda: None)()
         t3 = now(device)
         engine.step_of(self.optimizer).prepare()

@@ -161,7 +161,8 @@ class ShardedModel:
     def attach_ledger(self) -> None:
         """Let every unit, bucket and optimizer step report its transient buffers to :attr:`ledger` (again after
         changes added some)."""
-        for owner in [*self.units, *self.buckets, *self.steps]:
+        memory = [self.scheduler.memory] if isinstance(self.scheduler, Stage3Scheduler) else []
+        for owner in [*self.units, *self.buckets, *self.steps, *memory]:
             owner.ledger = self.ledger
 
     def step_peak(self, report: MemoryReport, allocated: int | None) -> StepPeak:

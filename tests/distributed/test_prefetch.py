@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 import torch
 from torch import nn
 
@@ -40,12 +44,18 @@ def _run(rank: int, overlap: bool) -> dict:
     return {"in_flight": seen, "all_gather": gathered_bytes, "weights": weights, "after": _in_flight(engine)}
 
 
-def _both(rank: int, world_size: int) -> dict[bool, dict]:
-    return {overlap: _run(rank, overlap) for overlap in (True, False)}
+def _runs(rank: int, world_size: int) -> dict[Any, dict]:
+    return {**{overlap: _run(rank, overlap) for overlap in (True, False)}, "announced": _announced(rank)}
 
 
-def test_prefetch_gathers_one_unit_ahead_without_extra_traffic() -> None:
-    for per_rank in run_on_ranks(_both, 2):
+@pytest.fixture(scope="module")
+def runs() -> list[dict[Any, dict]]:
+    """One spawn for the tests below that read plain runs."""
+    return run_on_ranks(_runs, 2)
+
+
+def test_prefetch_gathers_one_unit_ahead_without_extra_traffic(runs: list[dict[Any, dict]]) -> None:
+    for per_rank in runs:
         on, off = per_rank[True], per_rank[False]
         # Without prefetch only the computing unit is gathered; with it the next one is on its way, except
         # in the first step (no order recorded yet) and at the last unit.
@@ -116,3 +126,61 @@ def _frozen_backward(rank: int, world_size: int) -> list[float]:
 
 def test_backward_through_frozen_units_only() -> None:
     assert run_on_ranks(_frozen_backward, 2) == [[0, 1.0], [0, 1.0]]
+
+
+class _Probe(torch.autograd.Function):
+    """Identity whose backward calls ``record``: it runs after the unit it feeds was freed, before the unit that
+    made its input is reached."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, record: Callable[[], None]) -> torch.Tensor:
+        ctx.record = record
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.record()
+        return grad, None
+
+
+def _announced(rank: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(DEPTH)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [optimizer], EngineOptions(stage=3, overlap_comm=True), Communicator())
+    memory = engine.model.scheduler.memory
+    unit_bytes = max(b.data.numel() * b.data.element_size() for u in engine.model.units for b in u.buffers)
+    seen: dict[str, list[int]] = {"backward": [], "kept": [], "kept_at_loss": [], "kept_after": []}
+
+    def record() -> None:
+        seen["backward"].append(_in_flight(engine))
+        seen["kept"].append(memory.nbytes)
+
+    for layer in model:  # after the engine's pre-hook: the probe's output is what the layer sees
+        layer.register_forward_pre_hook(lambda module, args: (_Probe.apply(args[0], record),))
+        layer.register_forward_hook(lambda module, args, out: seen["kept"].append(memory.nbytes))
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step + rank))
+        loss = model(x).square().sum()
+        seen["kept_at_loss"].append(memory.nbytes)
+        engine.scale_loss(loss).backward()
+        engine.finish_backward()
+        optimizer.step()
+        seen["kept_after"].append(memory.nbytes)
+    return {**seen, "unit_bytes": unit_bytes, "after": _in_flight(engine)}
+
+
+def test_announced_backward_prefetches_every_unit_and_reuses_freed_memory_only_between_gathers(
+    runs: list[dict[Any, dict]],
+) -> None:
+    for result in (per_rank["announced"] for per_rank in runs):
+        # Each probe runs after its layer was freed (the first layer's input needs no gradient: no probe runs):
+        # the layer before it is already gathered or on its way. (Once it was every other one: a prefetched unit
+        # had no entry left to prefetch the next from.)
+        assert result["backward"] == [1] * (DEPTH - 1) * STEPS, result["backward"]
+        # The memory of a freed unit waits for the next gather, never more than one unit's, and never at the
+        # end of a forward or after a step; from the second step on (an order recorded) it is used.
+        assert max(result["kept"]) == result["unit_bytes"], result["kept"]
+        assert result["kept_at_loss"] == result["kept_after"] == [0] * STEPS
+        assert result["after"] == 0

@@ -1,15 +1,15 @@
 """memory_report().step_peak on 2 gloo ranks, stages 1 to 3 in fp32 and bf16-mixed, one spawn for every case.
 
-The step's peak by kind is checked two ways. Against an independent probe: the test wraps the methods that
-gather and free units, fill, launch and finish buckets and make and drop step gradients, and after each call
-counts the transient bytes from the tensors themselves (units' storage, ``bucket.nbytes`` less the persistent
-gradient, ``step.step_grad_nbytes``); the ledger's per-kind snapshot at its peak must equal the probe's to the
-byte (both ways: a missed or a double count fails). Against the formulas: the peak lies between the model states
-and the model states plus the root unit and three blocks gathered at once (in backward: the block whose backward
-just ended, freed when its inputs' gradients are complete, i.e. as the next block's backward begins; that block;
-and the one prefetched after it), every bucket's staging buffer and reduce-scatter output in ``reduce_dtype``, and
-the fp32 step gradients of the masters (4 bytes an owned element). Activations are not counted on the CPU (the
-allocator's peak is CUDA's), so the bound has no term for them.
+The step's peak by kind is checked two ways. Against an independent probe: the test wraps the methods that gather
+and free units, fill, launch and finish buckets and make and drop step gradients, and after each call counts the
+transient bytes from the tensors themselves (units' storage and the memory kept for the next gather,
+``bucket.nbytes`` less the persistent gradient, ``step.step_grad_nbytes``); the ledger's per-kind snapshot at its
+peak must equal the probe's to the byte (both ways: a missed or a double count fails). Against the formulas: the
+peak lies between the model states and the model states plus the root unit and three blocks gathered at once (in
+backward: the block whose backward just ended, freed when its inputs' gradients are complete, i.e. as the next
+block's backward begins; that block; and the one prefetched after it), every bucket's staging buffer and
+reduce-scatter output in ``reduce_dtype``, and the fp32 step gradients of the masters (4 bytes an owned element).
+Activations are not counted on the CPU (the allocator's peak is CUDA's), so the bound has no term for them.
 
 With bf16 gradients summed in fp32 the reduce-scatter writes into the staging buffer (see [Note:
 the result in the staging buffer]): the same steps with a separate result buffer give the same masters bit for bit
@@ -84,6 +84,8 @@ class Probe:
     def __call__(self) -> None:
         model = self.engine.model
         gathered = sum(b.data.untyped_storage().nbytes() for unit in model.units for b in unit.buffers)
+        kept = getattr(model.scheduler, "memory", None)  # stage 3: a freed unit's memory kept for the next gather
+        gathered += kept.nbytes if kept is not None else 0
         buckets = sum(bucket.nbytes - _persistent(bucket) for bucket in model.buckets)
         temporaries = sum(step.step_grad_nbytes for step in model.steps)
         now = {"gathered": gathered, "buckets": buckets, "temporaries": temporaries}

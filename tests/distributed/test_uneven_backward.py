@@ -27,17 +27,19 @@ from tests.helpers import run_on_ranks
 
 STEPS = 4
 TOLERANCE = 1e-5  # fp32 against DDP, as in test_parity_with_ddp.py
-MODES = ("first_layer", "no_parameter")
+MODES = ("first_layer", "no_parameter", "side_head")
 
 
 class Probe(nn.Module):
     """Embedding -> four Linear blocks -> head; keeps the hidden state after the first block, so that a loss can
-    reach only ``emb`` and ``blocks.0``. Uneven widths, so 2 ranks need padding."""
+    reach only ``emb`` and ``blocks.0``, and a side head's output on the second block's (``side_out``), which a
+    loss may use or not. Uneven widths, so 2 ranks need padding."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, 15)
         self.blocks = nn.ModuleList(nn.Linear(15, 15) for _ in range(4))
+        self.side = nn.Linear(15, 7)
         self.head = nn.Linear(15, VOCAB)
 
     def forward(self, tokens: Tensor) -> Tensor:
@@ -46,6 +48,8 @@ class Probe(nn.Module):
             hidden = torch.tanh(block(hidden))
             if index == 0:
                 self.first = hidden
+            if index == 1:
+                self.side_out = self.side(hidden)
         return self.head(hidden)
 
 
@@ -53,11 +57,15 @@ def _loss(model: nn.Module, step: int, rank: int, mode: str, oracle: bool) -> Te
     tokens, targets = batch(seed=100 * step + rank)
     logits = model(tokens)
     full = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+    side = (model.module if isinstance(model, DistributedDataParallel) else model).side_out
+    zeros = 0 * side.sum() + 0 * logits.sum() if oracle else 0  # the oracle reaches every parameter, with zeros
+    if mode == "side_head":  # rank 1's backward reaches the side head's unit (between blocks 2 and 1), rank 0's never
+        return full + (side.pow(2).mean() if rank == 1 else zeros)
     if rank != 1 or step % 2 == 0:  # rank 1 differs in steps 1 and 3
-        return full
+        return full + 0 * side.sum()
     probe = model.module if isinstance(model, DistributedDataParallel) else model
     partial = probe.first.pow(2).mean() if mode == "first_layer" else 0 * logits.detach().requires_grad_().sum()
-    return partial + 0 * logits.sum() if oracle else partial  # the oracle reaches every parameter, with zeros
+    return partial + zeros
 
 
 def _run(rank: int, world_size: int, stages: tuple[int, ...]) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from lightning_zero.core.comm import Communicator, Work
 from lightning_zero.core.comm.quantize import QUANT_BLOCK, BlockPlan
+from lightning_zero.core.layout.gather_memory import NO_REUSE
 from lightning_zero.core.layout.host_memory import host_empty
 from lightning_zero.core.layout.pieces import FlatLayout, Layout, OwnerLayout, Piece
 from lightning_zero.core.layout.resting import engine_access
@@ -290,6 +291,7 @@ class ShardedBuffer(FlatParamBuffer):
         self._reading: Future[Tensor] | None = None  # a read-ahead of the resting shard (see read_ahead)
         self._written = False
         self.quantized = False  # the full buffer holds dequantized int8 values, not the shards' exact ones
+        self.gather_memory = NO_REUSE  # the scheduler's: see [Note: reusing gathered storage]
         super().__init__(params, rank, world_size, device, owners)
 
     @property  # type: ignore[override]
@@ -377,7 +379,7 @@ class ShardedBuffer(FlatParamBuffer):
         ``r``'s has ``sizes[r]`` elements, all alike where ``None``) into it: the shards, or the secondary slices (see
         [Note: secondary shards]); as int8 with ``quantized``."""
         storage = self.data.untyped_storage()
-        storage.resize_(self.layout.padded_numel * self.data.element_size())
+        self.gather_memory.fill(storage, self.layout.padded_numel * self.data.element_size())
         # The gather writes back the values autograd saved in forward. It writes through an alias of the
         # storage with a version counter of its own, so backward does not take it for an in-place change of
         # the saved views (the values are the same: see [Note: freeing gathered storage]).
@@ -405,9 +407,10 @@ class ShardedBuffer(FlatParamBuffer):
         self.shard.copy_(self.data[lo:hi])
         self._written = True
 
-    def reshard(self) -> None:
-        """Free the full buffer's memory (and, resting on disk, the shard's). See [Note: freeing gathered storage]."""
-        self.data.untyped_storage().resize_(0)
+    def reshard(self, keep: bool = False) -> None:
+        """Free the full buffer's memory (and, resting on disk, the shard's). See [Note: freeing gathered storage];
+        ``keep``: another gather follows soon, which may take the memory (see [Note: reusing gathered storage])."""
+        self.gather_memory.free(self.data.untyped_storage(), keep)
         self.quantized = False
         self.settle()
 

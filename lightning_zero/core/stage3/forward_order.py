@@ -35,3 +35,7 @@ class ForwardOrder:
         self._cursor = position + 1
         following = order[position + 1 : position + 3]
         return (following[0] if following else None), (following[1] if len(following) > 1 else None)
+
+    def expects_more(self, count: int) -> bool:
+        """This pass gathered units and, going by the last one, at least ``count`` more follow."""
+        return bool(self._seen) and self._cursor + count <= len(self._last)

@@ -32,8 +32,11 @@ graph's nodes alive, see :class:`GradHooks`), so an unannounced second backward 
 [Note: stage-3 prefetch]
 With ``overlap_comm=True`` the order in which units were gathered for forward in the last pass
 predicts the next unit: its all-gather starts as soon as the current one is gathered; in backward
-the plan's next entry is issued as soon as the current one is. So at most two units are gathered at
-a time besides the root. A wrong guess costs memory for a while, never correctness.
+the plan's next entry is issued as soon as backward reaches a unit, whether the unit's own entry was issued
+then or by the prefetch before (once only the former did: every other unit was gathered unhidden). So at most
+two units are gathered at a time besides the root (a unit is freed before the next one is reached, see
+:meth:`GradHooks.on_first_gradient`), and the memory of the one freed goes to the next gather (see [Note:
+reusing gathered storage]). A wrong guess costs memory for a while, never correctness.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_zero.core.comm import Communicator
+from lightning_zero.core.layout.gather_memory import GatherMemory
 from lightning_zero.core.stage3.backward_plan import BackwardPlan
 from lightning_zero.core.stage3.divergence import GatherSequence
 from lightning_zero.core.stage3.forward_order import ForwardOrder
@@ -95,7 +99,12 @@ class Stage3Scheduler:
         self._root_held = False  # the caller uses root parameters across backward passes (see hold_root)
         self._running_task: int | None = None  # the autograd graph task now running through units, until it ends
         self.forward_order = ForwardOrder()  # the prefetch's guess
+        self._ahead: GatherUnit | None = None  # the plan entry the backward prefetch issued, not reached yet
         self.grad_hooks = GradHooks()  # on units' outputs and inputs
+        self.memory = GatherMemory(device)  # see [Note: reusing gathered storage]
+        for unit in units:
+            for buffer in unit.buffers:
+                buffer.gather_memory = self.memory
         self.register_hooks()
 
     @property
@@ -107,12 +116,14 @@ class Stage3Scheduler:
         """A backward raised: forget its plan and free what it gathered (not the root, which the step still uses);
         the entries recorded by a forward since then stay for the next backward."""
         self._running_task = None
+        self._ahead = None
         if not self.plan.is_open:
             return
         self.plan.close()
         for unit in self.units[:-1]:
             unit.reshard()
             unit.drop_secondary()
+        self.memory.release()
 
     def register_hooks(self) -> None:
         for unit in self.units:
@@ -141,6 +152,7 @@ class Stage3Scheduler:
                 unit.start_backward_unshard(self.comm, quantized=self.quantize)
             else:
                 unit.start_unshard(self.comm, quantized=self.quantize and not exact)
+            self.memory.release()  # what this gather did not take
 
     def _unshard(self, unit: GatherUnit, backward: bool = False) -> None:
         self._start(unit, backward=backward)
@@ -156,6 +168,7 @@ class Stage3Scheduler:
         for unit in self.units:
             unit.reshard()
             unit.drop_secondary()
+        self.memory.release()
 
     def unshard_root(self) -> None:
         """Gather the root unit: Lightning's step methods use it without calling the root's forward."""
@@ -169,6 +182,7 @@ class Stage3Scheduler:
             unit.reshard()
             unit.drop_secondary()
         self.forward_order.end_pass()
+        self.memory.release()
 
     @contextmanager
     def hold_root(self) -> Iterator[None]:
@@ -241,7 +255,7 @@ class Stage3Scheduler:
                         self._hook_inputs(unit, args)
                         unit.keep_secondary()  # a plan entry: its backward gathers from the slices
             if not recomputing and not (unit.is_root and torch.is_grad_enabled()):
-                unit.reshard()
+                unit.reshard(keep=self.forward_order.expects_more(1 + self.prefetch))
             return output
 
         return hook
@@ -257,7 +271,7 @@ class Stage3Scheduler:
 
     def _inputs_done(self, unit: GatherUnit) -> None:
         if self.plan.inputs_done(unit):
-            unit.reshard()
+            unit.reshard(keep=self.plan.pending)
 
     # ------------------------------------------------------------------ backward
     def open_plan(self) -> None:
@@ -265,6 +279,7 @@ class Stage3Scheduler:
         # every rank records the same units: [Note: divergent control flow at stage 3]
         self.sequence.check_plan([self._index[u] for u in self.plan.recorded])
         self.plan.open()
+        self._ahead = None
 
     def _track_pass(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -283,16 +298,10 @@ class Stage3Scheduler:
         if unit.is_root:
             self._unshard(unit)
             return
-        if self.plan.has_entry(unit):
-            passed = []
-            while (issued := self._issue_next()) is not unit:
-                passed.append(issued)
-            if passed:  # see [Note: units a backward passes over]
-                self.on_passed_over(passed)
-            if self.prefetch and self.plan.pending:
-                self._issue_next()
-                if self.plan.pending and not self.plan.peek().holds_secondary:
-                    self.plan.peek().read_ahead()
+        if unit is self._ahead:
+            self._ahead = None
+        elif self.plan.has_entry(unit):
+            self._issue_up_to(unit)
         elif not self.plan.is_open:
             self._unshard(unit, backward=True)  # no backward was announced: gathered when needed (see the note)
         elif not unit.gathered_or_pending:
@@ -305,7 +314,20 @@ class Stage3Scheduler:
                 "(engine.scale_loss(loss, retain_graph=True); Lightning's manual_backward and Fabric's backward do "
                 "that)."
             )
+        if self.prefetch and self.plan.pending and self._ahead is None:  # one entry ahead of the unit reached
+            self._ahead = self._issue_next()
+            if self.plan.pending and not self.plan.peek().holds_secondary:
+                self.plan.peek().read_ahead()
         unit.wait()
+
+    def _issue_up_to(self, unit: GatherUnit) -> None:
+        """Issue the plan's entries up to ``unit``'s. The unit prefetched before (if any) and those entries were
+        not reached: this rank's graph went past them (see [Note: units a backward passes over])."""
+        passed, self._ahead = [self._ahead] if self._ahead is not None else [], None
+        while (issued := self._issue_next()) is not unit:
+            passed.append(issued)
+        if passed:
+            self.on_passed_over(passed)
 
     def _issue_next(self) -> GatherUnit:
         unit = self.plan.take()
@@ -321,7 +343,7 @@ class Stage3Scheduler:
         its backward is over (its inputs need no gradient) and it holds nothing frozen (whose backward may come
         later) and no plan entry is left for it."""
         if not (self.plan.keeps(unit) or unit.holds_frozen or unit.is_root):
-            unit.reshard()
+            unit.reshard(keep=self.plan.pending)
 
     def finish_backward(self) -> None:
         """Issue the plan's remaining entries (units this rank's graph did not reach)."""
@@ -332,7 +354,7 @@ class Stage3Scheduler:
             unit = self._issue_next()
             unit.wait()
             if not (self.plan.has_entry_or_pin(unit) or unit.is_root):
-                unit.reshard()
+                unit.reshard(keep=self.plan.pending)
 
     def end_backward(self, retain: bool = False) -> None:
         """After the reductions: free every unit (the root unless held, see :meth:`hold_root`); the next forward
@@ -340,6 +362,7 @@ class Stage3Scheduler:
         [Note: a retained graph])."""
         self._running_task = None
         self.plan.close(retain)
+        self._ahead = None
         if not retain:
             self.grad_hooks.remove(spent_only=True)
         for unit in self.units if not self._root_held else self.units[:-1]:
@@ -347,6 +370,7 @@ class Stage3Scheduler:
         for unit in self.units:
             unit.drop_secondary()
         self.forward_order.end_pass()
+        self.memory.release()
 
 
 def _in_backward() -> bool:

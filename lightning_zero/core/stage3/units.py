@@ -320,18 +320,21 @@ class GatherUnit:
             if buffer.state is ShardedState.GATHERED:
                 buffer.write_back()
 
-    def reshard(self) -> None:
+    def reshard(self, keep: bool = False) -> None:
+        """Free the full buffers; ``keep``: another gather follows soon (see [Note: reusing gathered storage])."""
         if self.held:  # inside gathered(): a forward or backward run there leaves the unit full
             return
         self.wait()  # never free a buffer that a gather still writes into
         for buffer in self.buffers:
-            buffer.reshard()
+            buffer.reshard(keep)
         self._count()
 
     def _count(self) -> None:
         """Tell the ledger the bytes of full buffers this unit holds now."""
         for buffer in self.buffers:
             self.ledger.hold("gathered", (id(buffer), "gathered"), buffer.data.untyped_storage().nbytes())
+        if self.buffers:  # memory a reshard kept, counted once the buffers' bytes are dropped
+            self.buffers[0].gather_memory.count()
         if self.secondary is not None:
             self.ledger.hold("secondary", (id(self), "secondary"), self.secondary.nbytes)
 
