@@ -43,9 +43,6 @@ FP32_CASES = (
     "adagrad",
     "no_zero_grad_between_steps",
 )
-# On 3 ranks (uneven shards) the cases whose layout or reduction depends on the world size; the optimizers' and
-# zero_grad's cases run on 2 ranks, where they do not.
-THREE_RANK_CASES = ("plain", "accumulate", "clip_norm", "tied", "frozen", "unused_on_one_rank")
 MIXED_CASES = ("plain", "accumulate", "clip_norm", "frozen", "two_groups")
 MODES = {
     "cpu": {"offload_optimizer": "cpu"},
@@ -82,7 +79,7 @@ def run_fp32(rank: int, world_size: int) -> dict[str, Any]:
     comm = Communicator()
     directory = tempfile.mkdtemp(prefix="lz-offload-")
     results: dict[str, Any] = {"nvme_path_entries": []}
-    for name in FP32_CASES if world_size == 2 else THREE_RANK_CASES:
+    for name in FP32_CASES:
         case = CASES[name]
         torch.manual_seed(0)
         initial = TinyLM(**case.model_kwargs)
@@ -146,21 +143,9 @@ def run_mixed(rank: int, world_size: int) -> dict[str, Any]:
     return results
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
 def fp32(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
-    """One run of every case on ``request.param`` ranks (tests parametrize it indirectly)."""
     return request.param, run_on_ranks(run_fp32, request.param)
-
-
-RANKS = pytest.mark.parametrize("fp32", [2, 3], indirect=True, ids=lambda n: f"{n}ranks")
-
-
-def _runs(stage3_only: bool = False) -> list[Any]:
-    """(ranks, stage, case) of every fp32 run, or (ranks, case) of its stage-3 ones."""
-    runs = [(n, c) for n in (2, 3) for c in (FP32_CASES if n == 2 else THREE_RANK_CASES)]
-    if stage3_only:
-        return [pytest.param(n, c, id=f"{n}ranks-{c}") for n, c in runs if 3 in STAGES[c]]
-    return [pytest.param(n, s, c, id=f"{n}ranks-{s}-{c}") for n, c in runs for s in STAGES[c]]
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +153,7 @@ def mixed() -> list[dict[str, Any]]:
     return run_on_ranks(run_mixed, 2)
 
 
-@pytest.mark.parametrize(("fp32", "stage", "case"), _runs(), indirect=["fp32"])
+@pytest.mark.parametrize(("stage", "case"), [(s, c) for c in FP32_CASES for s in STAGES[c]])
 def test_fp32_offload_equals_ddp(fp32: tuple[int, list[dict[str, Any]]], stage: int, case: str) -> None:
     for rank, per_rank in enumerate(fp32[1]):
         for mode in _modes(stage):
@@ -176,14 +161,14 @@ def test_fp32_offload_equals_ddp(fp32: tuple[int, list[dict[str, Any]]], stage: 
             assert difference <= TOLERANCE, f"rank {rank} {mode}: {difference:.2e} from DDP"
 
 
-@pytest.mark.parametrize(("fp32", "case"), _runs(stage3_only=True), indirect=["fp32"])
+@pytest.mark.parametrize("case", [c for c in FP32_CASES if 3 in STAGES[c]])
 def test_stage3_shards_rest_on_disk_with_offload_params_nvme(fp32: tuple[int, list[dict[str, Any]]], case: str) -> None:
     for rank, per_rank in enumerate(fp32[1]):
         for mode in ("nvme+nvmeparams", "cpu+nvmeparams"):
             assert per_rank[f"{case}/stage3/{mode}/resident_shards"] == 0, (rank, mode)
 
 
-@pytest.mark.parametrize(("fp32", "case"), _runs(stage3_only=True), indirect=["fp32"])
+@pytest.mark.parametrize("case", [c for c in FP32_CASES if 3 in STAGES[c]])
 def test_stage3_gradients_rest_on_disk_with_everything_on_nvme(
     fp32: tuple[int, list[dict[str, Any]]], case: str
 ) -> None:
@@ -199,7 +184,7 @@ def test_stage3_gradients_rest_on_disk_with_everything_on_nvme(
         assert on_host["report"] > 0, (rank, on_host)
 
 
-@pytest.mark.parametrize(("fp32", "stage", "case"), _runs(), indirect=["fp32"])
+@pytest.mark.parametrize(("stage", "case"), [(s, c) for c in FP32_CASES for s in STAGES[c]])
 def test_fp32_offload_modes_equal_each_other_bit_for_bit(
     fp32: tuple[int, list[dict[str, Any]]], stage: int, case: str
 ) -> None:
@@ -208,7 +193,6 @@ def test_fp32_offload_modes_equal_each_other_bit_for_bit(
         assert all(bitwise.values()), f"rank {rank}: not bit-equal to offload_optimizer='cpu': {bitwise}"
 
 
-@RANKS
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_swap_file_bytes_equal_the_formula(fp32: tuple[int, list[dict[str, Any]]], stage: int) -> None:
     """AdamW, fp32 master: setup writes the master (4 bytes an owned element); step 1 reads it and writes master,
@@ -320,7 +304,6 @@ def test_a_free_that_skips_the_gradient_write_back_steps_the_same(
         assert any(not torch.equal(unclipped[name], value) for name, value in kept.items())  # the clip is active
 
 
-@RANKS
 def test_nvme_path_stays_empty(fp32: tuple[int, list[dict[str, Any]]]) -> None:
     """The swap file has no name from the moment it exists: nothing in nvme_path, ever."""
     for per_rank in fp32[1]:
