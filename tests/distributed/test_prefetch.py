@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from lightning_zero.core.comm import Communicator
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.layout.flat_buffer import ShardedState
 from lightning_zero.core.options import EngineOptions
+from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
 from tests.helpers import run_on_ranks
 
 DEPTH = 6
@@ -45,7 +48,12 @@ def _run(rank: int, overlap: bool) -> dict:
 
 
 def _runs(rank: int, world_size: int) -> dict[Any, dict]:
-    return {**{overlap: _run(rank, overlap) for overlap in (True, False)}, "announced": _announced(rank)}
+    return {
+        **{overlap: _run(rank, overlap) for overlap in (True, False)},
+        "announced": _announced(rank),
+        **{f"recomputed={on}": _recomputed(rank, on) for on in (False, True)},
+        "reentrant": _reentrant(rank),  # last: its backward raises
+    }
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +192,63 @@ def test_announced_backward_prefetches_every_unit_and_reuses_freed_memory_only_b
         assert max(result["kept"]) == result["unit_bytes"], result["kept"]
         assert result["kept_at_loss"] == result["kept_after"] == [0] * STEPS
         assert result["after"] == 0
+
+
+def _recomputed(rank: int, checkpointing: bool | str) -> dict:
+    """Blocks whose Linear is a unit of its own; with ``checkpointing`` each block recomputes its forward (and so
+    gathers its unit again) inside backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(DEPTH)])
+    if checkpointing == "reentrant":  # the block's forward runs without gradients, then again inside backward
+        for block in model:
+            block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=True)
+    elif checkpointing:
+        apply_activation_checkpointing(model, {nn.Sequential})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = EngineOptions(stage=3, wrap_policy={nn.Linear})
+    engine = ZeroEngine(model, [optimizer], options, Communicator())
+    seen: list[int] = []
+    for block in model:  # outside the checkpoint: the probe's backward runs once the block's backward is over
+        block.register_forward_pre_hook(
+            lambda module, args: (_Probe.apply(args[0], lambda: seen.append(_in_flight(engine))),)
+        )
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step + rank))
+        x.requires_grad_(checkpointing == "reentrant")  # else a reentrant checkpoint's output needs no gradient
+        engine.scale_loss(model(x).square().sum()).backward()
+        engine.finish_backward()
+        optimizer.step()
+    with engine.gathered():
+        weights = [p.detach().clone() for p in model.parameters()]
+    return {"backward": seen, "weights": weights, "after": _in_flight(engine)}
+
+
+def test_a_recomputed_unit_is_freed_when_its_backward_ends(runs: list[dict[Any, dict]]) -> None:
+    """Activation checkpointing gathers a unit again inside backward, with gradients enabled: that must not hold
+    it to the end of backward as a graph being created would (it once did: every recomputed unit stayed gathered,
+    the whole model by the first layer's backward)."""
+    for per_rank in runs:
+        plain, recomputed = per_rank["recomputed=False"], per_rank["recomputed=True"]
+        assert len(recomputed["backward"]) == (DEPTH - 1) * STEPS
+        assert recomputed["backward"] == plain["backward"], (recomputed["backward"], plain["backward"])
+        assert max(recomputed["backward"]) <= 1
+        assert recomputed["after"] == plain["after"] == 0
+        for a, b in zip(recomputed["weights"], plain["weights"], strict=True):
+            assert torch.equal(a, b)
+
+
+def _reentrant(rank: int) -> str:
+    try:
+        _recomputed(rank, "reentrant")
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_reentrant_checkpointing_around_units_raises_naming_the_fix(runs: list[dict[Any, dict]]) -> None:
+    """Reentrant checkpointing runs a block's forward without gradients, so its units leave no plan entry and a
+    backward could not gather them in the same order on every rank: a clear error, not a misleading one."""
+    for per_rank in runs:
+        assert "recomputed inside backward" in per_rank["reentrant"], per_rank["reentrant"]
+        assert "use_reentrant=False" in per_rank["reentrant"]

@@ -230,7 +230,7 @@ class Stage3Scheduler:
     def _pre_forward_hook(self, unit: GatherUnit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             if _in_backward():  # activation checkpointing recomputes inside backward
-                self._need(unit)
+                self._need(unit, recompute=True)
                 return
             self._unshard(unit)
             following, after = self.forward_order.gathered(unit)
@@ -287,13 +287,15 @@ class Stage3Scheduler:
             self._running_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._pass_ended)
 
-    def _need(self, unit: GatherUnit) -> None:
+    def _need(self, unit: GatherUnit, recompute: bool = False) -> None:
         """Backward reached ``unit``: issue the plan up to its entry and wait. See [Note: stage-3 backward plan].
 
         Reaching a unit does not make a backward one that reduces: ``torch.autograd.grad`` of an input (a gradient
-        penalty) reaches units too. The end of backward is queued by gradient hooks, or run by ``finish_backward``."""
+        penalty) reaches units too. The end of backward is queued by gradient hooks, or run by ``finish_backward``.
+        ``recompute``: activation checkpointing runs the unit's forward again, with gradients enabled whatever the
+        backward; the gradients of its outputs reach the unit next and tell whether the backward creates a graph."""
         self._track_pass()
-        if torch.is_grad_enabled():  # torch.autograd.grad(create_graph=True): its graph may use the unit again
+        if torch.is_grad_enabled() and not recompute:  # autograd.grad(create_graph=True): its graph uses it again
             self.plan.pin(unit)
         if unit.is_root:
             self._unshard(unit)
@@ -304,6 +306,14 @@ class Stage3Scheduler:
             self._issue_up_to(unit)
         elif not self.plan.is_open:
             self._unshard(unit, backward=True)  # no backward was announced: gathered when needed (see the note)
+        elif not unit.gathered_or_pending and recompute:
+            raise RuntimeError(
+                f"ZeroStrategy(stage=3): unit {unit.name!r} is recomputed inside backward, but its forward ran without "
+                "gradients and left no entry in the backward plan: reentrant activation checkpointing "
+                "(torch.utils.checkpoint(..., use_reentrant=True), or a library's gradient checkpointing that uses it) "
+                "around a module that holds units. Use ZeroStrategy(activation_checkpointing=...) or "
+                "torch.utils.checkpoint(..., use_reentrant=False)."
+            )
         elif not unit.gathered_or_pending:
             raise RuntimeError(
                 f"ZeroStrategy(stage=3): unit {unit.name!r} is needed by this backward pass, but no forward since the "
