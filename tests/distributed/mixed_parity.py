@@ -141,13 +141,13 @@ def _difference(reference: dict[str, Tensor], other: dict[str, Tensor], names: l
     return worst
 
 
-def run_mixed_cases(rank: int, world_size: int) -> dict[str, float]:
+def run_mixed_cases(rank: int, world_size: int, cases: tuple[str, ...] = MIXED_CASES) -> dict[str, float]:
     """Per dtype, case and stage: ZeRO vs the reference; and the reference vs fp32 DDP (what precision changes)."""
     comm = Communicator()
     results: dict[str, float] = {}
     for dtype_name, dtype in DTYPES.items():
         scale = LOSS_SCALE[dtype_name]
-        for name in MIXED_CASES:
+        for name in cases:
             case = CASES[name]
             torch.manual_seed(0)
             initial = TinyLM(**case.model_kwargs)

@@ -15,11 +15,14 @@ from tests.helpers import run_on_ranks
 
 EXACT = 1e-6
 TOLERANCE = {"bf16": 2e-3, "fp16": 2e-4}  # three ranks: about 3x the largest reordering spread measured
+# On 3 ranks (uneven shards, another summation order) the cases whose layout or reduction depends on the world
+# size; clip_value, unused and adam run on 2 ranks only, where they test the same code.
+CASES_ON = {2: MIXED_CASES, 3: ("plain", "accumulate", "clip_norm", "tied", "frozen", "two_groups")}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
 def results(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, float]]]:
-    return request.param, run_on_ranks(run_mixed_cases, request.param)
+    return request.param, run_on_ranks(run_mixed_cases, request.param, CASES_ON[request.param])
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -29,7 +32,7 @@ def test_training_matches_the_same_maths_without_sharding(
 ) -> None:
     world_size, per_rank = results
     tolerance = EXACT if world_size == 2 else TOLERANCE[dtype]
-    for case in MIXED_CASES:
+    for case in CASES_ON[world_size]:
         for rank, values in enumerate(per_rank):
             difference = values[f"{dtype}/stage{stage}/{case}"]
             assert difference <= tolerance, (
@@ -42,7 +45,7 @@ def test_training_matches_the_same_maths_without_sharding(
 def test_tolerance_is_calibrated(results: tuple[int, list[dict[str, float]]], dtype: str) -> None:
     world_size, per_rank = results
     values = per_rank[0]
-    spreads = [values[f"{dtype}/spread/{case}"] for case in MIXED_CASES]
+    spreads = [values[f"{dtype}/spread/{case}"] for case in CASES_ON[world_size]]
     if world_size == 3:
         # Rounding in another order shows, and stays within the tolerance.
         assert 0 < max(spreads) <= TOLERANCE[dtype], spreads
