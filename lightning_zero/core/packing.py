@@ -176,11 +176,7 @@ class Packer:
             for param in buffer.params:
                 RestingParameter.release(param)
         new = self._sharded(buffer.params)
-        for piece in new:
-            piece.gather_memory = buffer.gather_memory  # the scheduler's (see [Note: reusing gathered storage])
-        index = unit.buffers.index(buffer)
-        unit.buffers[index : index + 1] = new
-        unit.holds_frozen = any(not p.requires_grad for b in unit.buffers for p in b.params)
+        unit.replace_buffer(buffer, new)
         return [self.group(piece, self._commit(piece, optimized), unit) for piece in new]
 
     def _owners(self, params: Sequence[nn.Parameter]) -> list[int] | None:

@@ -291,7 +291,7 @@ class ShardedBuffer(FlatParamBuffer):
         self._reading: Future[Tensor] | None = None  # a read-ahead of the resting shard (see read_ahead)
         self._written = False
         self.quantized = False  # the full buffer holds dequantized int8 values, not the shards' exact ones
-        self.gather_memory = NO_REUSE  # the scheduler's: see [Note: reusing gathered storage]
+        self.gather_memory = NO_REUSE  # set by its unit (GatherUnit.use_memory): [Note: reusing gathered storage]
         super().__init__(params, rank, world_size, device, owners)
 
     @property  # type: ignore[override]

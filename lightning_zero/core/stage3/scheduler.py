@@ -103,8 +103,7 @@ class Stage3Scheduler:
         self.grad_hooks = GradHooks()  # on units' outputs and inputs
         self.memory = GatherMemory(device)  # see [Note: reusing gathered storage]
         for unit in units:
-            for buffer in unit.buffers:
-                buffer.gather_memory = self.memory
+            unit.use_memory(self.memory)
         self.register_hooks()
 
     @property

@@ -40,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core.comm import Communicator, Work
 from lightning_zero.core.layout.flat_buffer import ShardedBuffer, ShardedState
+from lightning_zero.core.layout.gather_memory import NO_REUSE, GatherMemory
 from lightning_zero.core.layout.resting import engine_access
 from lightning_zero.core.options import WrapPolicy
 from lightning_zero.core.peak import DETACHED, PeakLedger
@@ -218,6 +219,22 @@ class GatherUnit:
         self.secondary: SecondaryShards | None = None
         self._from_secondary = False  # the pending gathers read the secondary slices: drop them once complete
         self.held = 0  # gathered() blocks holding the unit in full: reshard() frees nothing until the last ends
+        self.memory = NO_REUSE  # where freed buffers keep memory for the next gather (see use_memory)
+
+    def use_memory(self, memory: GatherMemory) -> None:
+        """Freed buffers keep their memory in ``memory`` for the next gather (the scheduler's: see [Note: reusing
+        gathered storage])."""
+        self.memory = memory
+        for buffer in self.buffers:
+            buffer.gather_memory = memory
+
+    def replace_buffer(self, buffer: ShardedBuffer, pieces: list[ShardedBuffer]) -> None:
+        """``pieces`` take ``buffer``'s place (a frozen buffer split by ``requires_grad``, see [Note: changes after
+        setup])."""
+        index = self.buffers.index(buffer)
+        self.buffers[index : index + 1] = pieces
+        self.use_memory(self.memory)
+        self.holds_frozen = any(not p.requires_grad for b in self.buffers for p in b.params)
 
     def register_hooks(self, pre_forward: Callable[..., Any], post_forward: Callable[..., Any]) -> None:
         """Call the scheduler around the module's forward (again, after :meth:`remove_hooks`)."""
@@ -334,7 +351,7 @@ class GatherUnit:
         for buffer in self.buffers:
             self.ledger.hold("gathered", (id(buffer), "gathered"), buffer.data.untyped_storage().nbytes())
         if self.buffers:  # memory a reshard kept, counted once the buffers' bytes are dropped
-            self.buffers[0].gather_memory.count()
+            self.memory.count()
         if self.secondary is not None:
             self.ledger.hold("secondary", (id(self), "secondary"), self.secondary.nbytes)
 
