@@ -297,6 +297,11 @@ def init_module_runs(rank: int, world_size: int) -> dict[str, Any]:
     fabric_loop(fabric, wrapped, list(optimizers), rank)
     out["init/trained_vs_normal"] = relative(full_params(fabric, eager), lazy_trained)
     out["init/moved"] = relative(lazy_initial, lazy_trained)  # the comparison is not of untrained models
+    fabric = launched(world_size, zero_strategy(3))
+    with fabric.init_module():
+        tied = TinyLM(tied=True)  # head.weight = emb.weight: the embedding's values on a real device
+    fabric.setup_module(tied)
+    out["init/tied_std"] = float(full_params(fabric, tied)["emb.weight"].std())
     out["init/peak_lazy"] = _peak_growth(world_size, lazy=True)
     out["init/peak_eager"] = _peak_growth(world_size, lazy=False)
     return out

@@ -154,6 +154,10 @@ def test_init_module_trains_equal_to_a_normal_model(results: list[dict[str, Any]
         assert per_rank["init/initial_vs_normal"] == 0.0
         assert per_rank["init/trained_vs_normal"] == 0.0
         assert per_rank["init/moved"] > 1e-2  # training changed the parameters: trained models were compared
+        # A tied weight keeps its creator's initialisation: the embedding's N(0, 1), not the head Linear's uniform
+        # one of bound 1/sqrt(7) (std 0.22), which overwrote it before (see [Note: tied parameters created on the
+        # meta device]).
+        assert per_rank["init/tied_std"] > 0.6, per_rank["init/tied_std"]
 
 
 # ------------------------------------------------------------------------------------------------ errors

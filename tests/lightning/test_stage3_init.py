@@ -202,3 +202,78 @@ def test_what_configure_model_did_not_create_moves_to_the_device() -> None:
     whole = nn.Linear(2, 2)
     move_materialized(whole, torch.device("meta"))
     assert whole.weight.is_meta
+
+
+def _fixed(tensor: torch.Tensor, seed: int, scale: float) -> None:
+    with torch.no_grad():
+        tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(seed)) * scale)
+
+
+class SeededEmbedding(nn.Embedding):
+    def reset_parameters(self) -> None:  # its own values whatever the order of initialisation: N(0, 1)
+        _fixed(self.weight, 1, 1.0)
+
+
+class SeededLinear(nn.Linear):
+    def reset_parameters(self) -> None:  # N(0, 0.02), seeded by size
+        _fixed(self.weight, 2 + self.weight.numel(), 0.02)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class TiedLM(LightningModule):
+    """An embedding tied to the output head, built in configure_model; ``head_first``: the head is created (and
+    registered) before the embedding whose weight it takes, so the module order does not tell who created it."""
+
+    def __init__(self, head_first: bool) -> None:
+        super().__init__()
+        self.head_first = head_first
+        self.net: nn.ModuleDict | None = None
+
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        head = SeededLinear(8, 32, bias=False) if self.head_first else None
+        embed = SeededEmbedding(32, 8)
+        body = SeededLinear(8, 8)
+        head = head or SeededLinear(8, 32, bias=False)
+        head.weight = embed.weight  # the embedding's values, as on a real device
+        parts = {"head": head, "embed": embed, "body": body} if self.head_first else {"embed": embed, "body": body}
+        self.net = nn.ModuleDict({**parts, "head": head})
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.net is not None
+        return self.net["head"](torch.tanh(self.net["body"](self.net["embed"](tokens))))
+
+    def validation_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> None:
+        self.log("val", self(batch[0]).float().mean())
+
+
+def _tied_initial_weights(rank: int, world_size: int) -> dict[bool, dict[str, torch.Tensor]]:
+    tokens = DataLoader(TensorDataset(torch.arange(32).view(8, 4)), batch_size=4)
+    weights = {}
+    for head_first in (False, True):
+        model = TiedLM(head_first)
+        trainer = _trainer(world_size)
+        trainer.validate(model, tokens, verbose=False)
+        with trainer.strategy.gathered_params():
+            assert model.net is not None
+            assert model.net["head"].weight is model.net["embed"].weight
+            weights[head_first] = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return weights
+
+
+def test_a_tied_weight_built_on_the_meta_device_starts_from_its_creators_values() -> None:
+    """Stage 3 initialises a model from configure_model by each module's reset_parameters(): a weight two modules
+    share must keep the values its creator gave it, as on a real device (the output head's Linear initialisation
+    used to overwrite the embedding's: std 0.02 instead of 1, a different model from DDP's and stage 2's)."""
+    expected = {}
+    for head_first in (False, True):
+        eager = TiedLM(head_first)
+        eager.configure_model()
+        expected[head_first] = dict(eager.named_parameters())
+    for per_rank in run_on_ranks(_tied_initial_weights, 2):
+        for head_first, weights in per_rank.items():
+            assert weights.keys() == expected[head_first].keys()
+            for name, value in weights.items():
+                assert torch.equal(value, expected[head_first][name]), (head_first, name)
