@@ -52,6 +52,7 @@ def _runs(rank: int, world_size: int) -> dict[Any, dict]:
         **{overlap: _run(rank, overlap) for overlap in (True, False)},
         "announced": _announced(rank),
         **{f"recomputed={on}": _recomputed(rank, on) for on in (False, True)},
+        **{f"frozen_base={on}": _frozen_base(rank, on) for on in (False, True)},
         "reentrant": _reentrant(rank),  # last: its backward raises
     }
 
@@ -252,3 +253,47 @@ def test_reentrant_checkpointing_around_units_raises_naming_the_fix(runs: list[d
     for per_rank in runs:
         assert "recomputed inside backward" in per_rank["reentrant"], per_rank["reentrant"]
         assert "use_reentrant=False" in per_rank["reentrant"]
+
+
+class LowRankAdapted(nn.Module):
+    """A frozen base layer plus a trainable adapter (LoRA's shape): each a unit of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(64, 64).requires_grad_(False)
+        self.adapter = nn.Sequential(nn.Linear(64, 4, bias=False), nn.Linear(4, 64, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.base(x) + self.adapter(x))
+
+
+def _frozen_base(rank: int, checkpointing: bool) -> dict:
+    """A frozen embedding, then blocks whose frozen base layer takes an input that needs no gradient (the first
+    block's): its outputs need none either, so backward never reaches it, but a checkpoint recomputes it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 64).requires_grad_(False), *[LowRankAdapted() for _ in range(3)])
+    if checkpointing:
+        apply_activation_checkpointing(model, {LowRankAdapted})
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    engine = ZeroEngine(model, [optimizer], EngineOptions(stage=3, wrap_policy={nn.Linear}), Communicator())
+    left = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        tokens = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(step + rank))
+        engine.scale_loss(model(tokens).square().mean()).backward()
+        engine.finish_backward()
+        optimizer.step()
+        left.append(_in_flight(engine))
+    with engine.gathered():
+        weights = [p.detach().clone() for p in model.parameters()]
+    return {"weights": weights, "left": left}
+
+
+def test_a_frozen_unit_inside_a_checkpoint_is_gathered_for_its_recompute(runs: list[dict[Any, dict]]) -> None:
+    """The recompute of a checkpointed block needs its frozen base layer gathered, though backward never reaches
+    it: a plan entry recorded for it in forward (it raised "no forward since the last backward left an entry")."""
+    for per_rank in runs:
+        plain, recomputed = per_rank["frozen_base=False"], per_rank["frozen_base=True"]
+        assert recomputed["left"] == plain["left"] == [0] * STEPS
+        for a, b in zip(recomputed["weights"], plain["weights"], strict=True):
+            assert torch.equal(a, b)

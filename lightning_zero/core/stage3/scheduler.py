@@ -29,6 +29,16 @@ Lightning's ``manual_backward`` and Fabric's ``backward`` pass it on): the hooks
 removed at the end of the backward they fired in unless it retained its graph (left in place, they would keep every
 graph's nodes alive, see :class:`GradHooks`), so an unannounced second backward would find no hook to gather for it.
 
+[Note: units recomputed without gradients]
+A unit whose outputs need no gradient (frozen, its inputs too: a frozen base layer of the first block of a LoRA
+fine-tune) leaves no plan entry: backward never needs it. Inside an activation checkpoint it does: the checkpoint
+runs the block's forward again inside backward, and that needs the unit gathered, in the same order on every rank.
+So a forward of such a unit under saved-tensor hooks (those of a non-reentrant checkpoint) records a plan entry
+without gradient hooks; the recompute reaches it through its pre-forward hook, and its post-forward hook frees it
+(no saved tensor of an operation without gradients refers to its parameters). A reentrant checkpoint runs its
+forward without gradients, so nothing inside is recorded: a recompute that needs a unit without an entry raises,
+naming ``use_reentrant=False``.
+
 [Note: stage-3 prefetch]
 With ``overlap_comm=True`` the order in which units were gathered for forward in the last pass
 predicts the next unit: its all-gather starts as soon as the current one is gathered; in backward
@@ -253,11 +263,23 @@ class Stage3Scheduler:
                         self.plan.record(unit)
                         self._hook_inputs(unit, args)
                         unit.keep_secondary()  # a plan entry: its backward gathers from the slices
+                elif not unit.is_root:
+                    self._outputs_need_no_gradient(unit, recomputing)
             if not recomputing and not (unit.is_root and torch.is_grad_enabled()):
                 unit.reshard(keep=self.forward_order.expects_more(1 + self.prefetch))
             return output
 
         return hook
+
+    def _outputs_need_no_gradient(self, unit: GatherUnit, recomputing: bool) -> None:
+        """A forward with gradients enabled whose outputs need none: see [Note: units recomputed without gradients]."""
+        if recomputing:  # nothing else frees it
+            if not self.plan.keeps(unit):
+                unit.reshard(keep=self.plan.pending)
+        elif _may_be_recomputed():
+            self.plan.drop_retained()
+            self.plan.record(unit)
+            unit.keep_secondary()
 
     def _hook_inputs(self, unit: GatherUnit, args: Any) -> None:
         """When the gradients of a unit's inputs are computed, its backward is over: it may be freed then. Its
@@ -384,3 +406,12 @@ class Stage3Scheduler:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+_TOP_SAVED_TENSORS_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _may_be_recomputed() -> bool:
+    """Saved-tensor hooks are active: a non-reentrant checkpoint's (or another's, e.g. ``save_on_cpu``: then a plan
+    entry costs one gather at the end of backward). See [Note: units recomputed without gradients]."""
+    return _TOP_SAVED_TENSORS_HOOKS is not None and _TOP_SAVED_TENSORS_HOOKS(False) is not None
