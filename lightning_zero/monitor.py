@@ -26,7 +26,9 @@ class ZeroMonitor(Callback):
     bytes it moved in collectives during that step (see ``ZeroStrategy.comm_report()``), in total, by where they
     travelled, and with hybrid sharding by group: inside its shard group (stage 3's gathers included) and across
     the replicas. With ``AsyncCheckpointIO``, ``zero/checkpoint_snapshot_bytes`` is the largest snapshot a
-    background save held (see [Note: asynchronous sharded saves]). Logged by rank 0, every ``log_every_n_steps``.
+    background save held (see [Note: asynchronous sharded saves]). With ``"16-mixed"``, ``zero/loss_scale`` and
+    ``zero/skipped_steps`` (steps skipped for overflow since the run began, see docs/precision.md). Logged by rank 0,
+    every ``log_every_n_steps``.
 
     Raises:
         ValueError: when the Trainer's strategy is not a :class:`~lightning_zero.ZeroStrategy`.
@@ -67,6 +69,10 @@ class ZeroMonitor(Callback):
             metrics["zero/peak_bytes"] = float(report.step_peak.total)
             for kind, nbytes in report.step_peak.by_kind.items():
                 metrics[f"zero/peak_{kind}_bytes"] = float(nbytes)
+        scaler = getattr(strategy.precision_plugin, "scaler", None)
+        if scaler is not None:  # "16-mixed": the loss scale after this step, and the steps skipped for overflow
+            metrics["zero/loss_scale"] = float(scaler.scale)
+            metrics["zero/skipped_steps"] = float(scaler.skipped_steps)
         if strategy.session.background.saves:  # asynchronous saves: the largest snapshot this rank held
             metrics["zero/checkpoint_snapshot_bytes"] = float(strategy.session.background.peak_snapshot_bytes)
         if strategy.config.engine.shard_size is not None:

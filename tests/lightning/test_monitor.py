@@ -23,6 +23,7 @@ from tests.lightning.models import TwoLayer, make_loader, make_trainer
 
 WORLD_SIZE = 2
 STEPS = 3
+FP16_STEPS = 40
 PSI = 179
 N_TENSORS = 4
 PADDED = math.ceil(PSI / WORLD_SIZE) * WORLD_SIZE
@@ -47,7 +48,7 @@ RUNS = {
 
 
 def _monitor_runs(rank: int, world_size: int, log_dir: str) -> dict[str, Any]:
-    from lightning_zero import ZeroMonitor, ZeroStrategy
+    from lightning_zero import ZeroMonitor, ZeroPrecision, ZeroStrategy
 
     out: dict[str, Any] = {}
     for stage, kwargs in RUNS.items():
@@ -71,6 +72,19 @@ def _monitor_runs(rank: int, world_size: int, log_dir: str) -> dict[str, Any]:
             "inter": strategy.comm_report().inter_node_bytes,
             "by_group": dict(strategy.comm_report().by_group),
         }
+    # fp16 with a first scale far too large: the first steps overflow and are skipped, the scale halving each time.
+    precision = ZeroPrecision("16-mixed", init_scale=2.0**40)
+    trainer = make_trainer(
+        world_size,
+        ZeroStrategy(stage=2, precision_plugin=precision),
+        max_steps=FP16_STEPS,
+        logger=CSVLogger(log_dir, name="stagefp16", version=0),
+        log_every_n_steps=1,
+        callbacks=[ZeroMonitor()],
+    )
+    trainer.fit(TwoLayer(hidden=16), make_loader("two_layer"))
+    assert precision.scaler is not None
+    out["fp16"] = {"scale": precision.scaler.scale, "skipped": precision.scaler.skipped_steps}
     try:
         trainer = make_trainer(world_size, DDPStrategy(), max_steps=1, callbacks=[ZeroMonitor()])
         trainer.fit(TwoLayer(), make_loader("two_layer"))
@@ -175,6 +189,23 @@ def test_comm_bytes_are_one_reduce_scatter_and_one_all_gather(
     for rank, results in enumerate(per_rank):
         comm = results[stage]["comm"]
         assert 8 * PSI <= comm <= 8 * PADDED + 64, f"rank {rank}: {comm} bytes"
+
+
+def test_monitor_logs_the_loss_scale_and_the_skipped_steps_with_fp16(runs: tuple[Path, list[dict[str, Any]]]) -> None:
+    log_dir, per_rank = runs
+    rows = _csv_rows(log_dir, "fp16")
+    assert len(rows) == FP16_STEPS
+    scales = [float(row["zero/loss_scale"]) for row in rows]
+    skipped = [float(row["zero/skipped_steps"]) for row in rows]
+    final = per_rank[0]["fp16"]
+    assert 0 < final["skipped"] < FP16_STEPS  # some steps overflowed, then the scale was low enough
+    assert (scales[-1], skipped[-1]) == (final["scale"], final["skipped"])
+    # Each row is the state after its step: a skipped step halves the scale, a clean one keeps it.
+    for before, after, skips_before, skips_after in zip(scales, scales[1:], skipped, skipped[1:], strict=False):
+        assert after == (before / 2 if skips_after == skips_before + 1 else before), (before, after)
+    assert scales[0] == 2.0**40 / 2 ** skipped[0]
+    fp32_rows = _csv_rows(log_dir, 1)
+    assert "zero/loss_scale" not in fp32_rows[-1]
 
 
 def test_monitor_rejects_other_strategies(runs: tuple[Path, list[dict[str, Any]]]) -> None:
