@@ -32,7 +32,7 @@ from lightning_zero import collectives, fabric_checkpoints, loss_weighting
 from lightning_zero.checkpoint import remove_sharded
 from lightning_zero.core.engine import ZeroEngine, release_previous_engine
 from lightning_zero.core.options import OffloadTarget
-from lightning_zero.core.stage3.creators import recording_creators
+from lightning_zero.core.stage3.meta_init import recording_creators
 from lightning_zero.fabric_precision import ZeroFabricPrecision
 from lightning_zero.front_door import ZeroFrontDoor
 from lightning_zero.session import ZeroSession, move_materialized

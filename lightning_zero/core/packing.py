@@ -27,7 +27,8 @@ from lightning_zero.core.layout.resting import RestingParameter, engine_access
 from lightning_zero.core.mixed_precision import PrecisionPolicy
 from lightning_zero.core.options import WrapPolicy
 from lightning_zero.core.shards import BufferGroup
-from lightning_zero.core.stage3.units import GatherUnit, assign_params, initialise, materialize_buffers, select_units
+from lightning_zero.core.stage3.meta_init import initialise, materialize_buffers
+from lightning_zero.core.stage3.units import GatherUnit, assign_params, select_units
 from lightning_zero.core.step.buckets import GradBucket
 from lightning_zero.core.step.quantized_reduction import QuantizedReduction
 from lightning_zero.core.step.reduction import GradientReduction

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import resource
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,11 +60,11 @@ def _data() -> DataLoader:
     return DataLoader(TensorDataset(x, x * 0.5), batch_size=4)
 
 
-def _trainer(world_size: int, **kwargs: object) -> Trainer:
+def _trainer(world_size: int, strategy: ZeroStrategy | None = None, **kwargs: object) -> Trainer:
     return Trainer(
         accelerator="cpu",
         devices=world_size,
-        strategy=ZeroStrategy(stage=3),
+        strategy=strategy or ZeroStrategy(stage=3),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -249,7 +250,37 @@ class TiedLM(LightningModule):
         self.log("val", self(batch[0]).float().mean())
 
 
-def _tied_initial_weights(rank: int, world_size: int) -> dict[bool, dict[str, torch.Tensor]]:
+class InitialisesChildren(nn.Module):
+    """A block without parameters of its own whose reset_parameters() initialises its layers, called by its
+    ``__init__`` as usual (on the meta device that call does nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for index, layer in enumerate(self.inner):
+            _fixed(layer.weight, 10 + index, 0.5)
+            nn.init.constant_(layer.bias, 0.25)
+
+
+class ParentInitialised(TiedLM):
+    """The block above (its layers units of their own: ``wrap_policy={nn.Linear}``), and a multi-head attention whose
+    own reset_parameters() zeroes the bias of its ``out_proj`` child, another unit."""
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = nn.ModuleDict({"block": InitialisesChildren(), "attention": nn.MultiheadAttention(8, 2)})
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # Not the attention: its forward reads out_proj's weight without calling out_proj, a unit here (initialising
+        # it is what is tested).
+        assert self.net is not None
+        return self.net["block"].inner(tokens.float().unsqueeze(-1).expand(-1, -1, 8))
+
+
+def _tied_initial_weights(rank: int, world_size: int) -> dict[Any, dict[str, torch.Tensor]]:
     tokens = DataLoader(TensorDataset(torch.arange(32).view(8, 4)), batch_size=4)
     weights = {}
     for head_first in (False, True):
@@ -260,10 +291,23 @@ def _tied_initial_weights(rank: int, world_size: int) -> dict[bool, dict[str, to
             assert model.net is not None
             assert model.net["head"].weight is model.net["embed"].weight
             weights[head_first] = {name: p.detach().clone() for name, p in model.named_parameters()}
+    parent = ParentInitialised(head_first=False)
+    trainer = _trainer(world_size, strategy=ZeroStrategy(stage=3, wrap_policy={nn.Linear}))
+    trainer.validate(parent, tokens, verbose=False)
+    with trainer.strategy.gathered_params():
+        weights["parent"] = {name: p.detach().clone() for name, p in parent.named_parameters()}
     return weights
 
 
-def test_a_tied_weight_built_on_the_meta_device_starts_from_its_creators_values() -> None:
+@pytest.fixture(scope="module")
+def initial_weights() -> list[dict[Any, dict[str, torch.Tensor]]]:
+    """One spawn for the initialisation tests below."""
+    return run_on_ranks(_tied_initial_weights, 2)
+
+
+def test_a_tied_weight_built_on_the_meta_device_starts_from_its_creators_values(
+    initial_weights: list[dict[Any, dict[str, torch.Tensor]]],
+) -> None:
     """Stage 3 initialises a model from configure_model by each module's reset_parameters(): a weight two modules
     share must keep the values its creator gave it, as on a real device (the output head's Linear initialisation
     used to overwrite the embedding's: std 0.02 instead of 1, a different model from DDP's and stage 2's)."""
@@ -272,8 +316,27 @@ def test_a_tied_weight_built_on_the_meta_device_starts_from_its_creators_values(
         eager = TiedLM(head_first)
         eager.configure_model()
         expected[head_first] = dict(eager.named_parameters())
-    for per_rank in run_on_ranks(_tied_initial_weights, 2):
-        for head_first, weights in per_rank.items():
+    for per_rank in initial_weights:
+        for head_first in (False, True):
+            weights = per_rank[head_first]
             assert weights.keys() == expected[head_first].keys()
             for name, value in weights.items():
                 assert torch.equal(value, expected[head_first][name]), (head_first, name)
+
+
+def test_a_parents_reset_parameters_initialises_children_in_other_units(
+    initial_weights: list[dict[Any, dict[str, torch.Tensor]]],
+) -> None:
+    """A block's reset_parameters() that initialises its layers (units of their own) reaches them, as its __init__
+    did on a real device (it was never run: the layers kept nn.Linear's initialisation); nn.MultiheadAttention's
+    zeroes its out_proj child's bias, another unit (it raised: that bias was at rest)."""
+    eager = ParentInitialised(head_first=False)
+    eager.configure_model()
+    expected = dict(eager.named_parameters())
+    for per_rank in initial_weights:
+        weights = per_rank["parent"]
+        assert weights.keys() == expected.keys()
+        for name in ("block.inner.0.weight", "block.inner.0.bias", "block.inner.1.weight", "block.inner.1.bias"):
+            assert torch.equal(weights[f"net.{name}"], expected[f"net.{name}"]), name
+        assert torch.equal(weights["net.attention.out_proj.bias"], torch.zeros(8))
+        assert torch.equal(weights["net.attention.in_proj_bias"], torch.zeros(24))

@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -45,7 +44,6 @@ from lightning_zero.core.layout.gather_memory import NO_REUSE, GatherMemory
 from lightning_zero.core.layout.resting import engine_access
 from lightning_zero.core.options import WrapPolicy
 from lightning_zero.core.peak import DETACHED, PeakLedger
-from lightning_zero.core.stage3.creators import creator_of
 from lightning_zero.core.stage3.secondary import SecondaryShards
 
 
@@ -166,69 +164,6 @@ def _unit_ancestors(unit: nn.Module, root: nn.Module, units: list[nn.Module]) ->
 
 def _common_unit(a: nn.Module, b: nn.Module, ancestors: dict[nn.Module, list[nn.Module]]) -> nn.Module:
     return next(unit for unit in ancestors[a] if unit in ancestors[b])
-
-
-def materialize_buffers(root: nn.Module, device: torch.device) -> None:
-    """Give module buffers created on the meta device real storage, initialised by their ``reset_parameters()``."""
-    for module in root.modules():
-        meta = [name for name, buffer in module._buffers.items() if buffer is not None and buffer.is_meta]
-        if not meta:
-            continue
-        if not callable(getattr(module, "reset_parameters", None)):
-            raise RuntimeError(
-                f"{type(module).__name__} has buffers {meta} on the meta device (created in configure_model under "
-                "ZeroStrategy(stage=3)) but no reset_parameters() to initialise them. Define reset_parameters() or "
-                "create the buffers in __init__."
-            )
-        for name in meta:
-            module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
-
-
-def initialise(root: nn.Module, params: list[nn.Parameter]) -> None:
-    """Run ``reset_parameters()`` of the modules that own ``params`` (just given real storage) once each. A parameter
-    several modules share keeps the values its creator gave it (see [Note: tied parameters created on the meta
-    device])."""
-    if not params:
-        return
-    wanted = set(params)
-    in_model = set(root.modules())
-    settled: set[nn.Parameter] = set()  # shared parameters whose values are final: later resets must not change them
-    for module in root.modules():
-        owned = [(name, p) for name, p in module.named_parameters(recurse=False) if p in wanted]
-        if not owned:
-            continue
-        reset = getattr(module, "reset_parameters", None)
-        if not callable(reset):
-            raise RuntimeError(
-                f"{type(module).__name__} parameters {[name for name, _ in owned]} were created on the meta device "
-                "(configure_model under ZeroStrategy(stage=3)) but the module has no reset_parameters() to initialise "
-                "them. Define reset_parameters(), or build the model in __init__."
-            )
-        with torch.no_grad(), _stand_ins(module, wanted, owned[0][1].device):
-            kept = [(p, p.detach().clone()) for _, p in owned if p in settled]
-            reset()
-            for param, values in kept:
-                param.copy_(values)
-        for _, param in owned:
-            creator = creator_of(param)
-            if creator is module or creator not in in_model:
-                settled.add(param)
-
-
-@contextmanager
-def _stand_ins(module: nn.Module, wanted: set[nn.Parameter], device: torch.device) -> Iterator[None]:
-    """Inside, ``module``'s own parameters that other units hold (sharded, at rest) are replaced by throwaway tensors
-    of their shape: its ``reset_parameters()`` initialises them all, and a tied weight makes it run again when a
-    later unit is created."""
-    others = {name: p for name, p in module._parameters.items() if p is not None and p not in wanted}
-    for name, param in others.items():
-        module._parameters[name] = nn.Parameter(
-            torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad
-        )
-    try:
-        yield
-    finally:
-        module._parameters.update(others)
 
 
 class GatherUnit:
