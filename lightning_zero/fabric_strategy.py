@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager, nullco
 from datetime import timedelta
 from typing import Any, Literal
 
+import lightning.fabric.wrappers as fabric_wrappers
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
@@ -141,6 +142,21 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
     def module_sharded_context(self) -> Generator[None, None, None]:
         with self.module_init_context():
             yield
+
+    @contextmanager
+    def allow_autograd_grad(self) -> Generator[None, None, None]:
+        """Inside, ``torch.autograd.grad`` may differentiate the outputs of the module Fabric set up (a gradient
+        penalty, a saliency map). Fabric refuses any gradient through them outside ``fabric.backward`` when the
+        strategy or precision has a backward of its own, as this one does (and Fabric's DeepSpeed): "requires you to
+        call `fabric.backward(loss)` instead of `loss.backward()`". The engine itself supports such passes at every
+        stage (docs/configuration.md, "Stage 3 and several backward passes"); the loss still goes to
+        ``fabric.backward``."""
+        previous = getattr(fabric_wrappers, "_in_fabric_backward", False)
+        fabric_wrappers._in_fabric_backward = True  # what Fabric sets inside fabric.backward
+        try:
+            yield
+        finally:
+            fabric_wrappers._in_fabric_backward = previous
 
     @override
     def module_to_device(self, module: nn.Module) -> None:

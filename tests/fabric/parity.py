@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -416,10 +417,35 @@ def retained_runs(rank: int, world_size: int) -> dict[str, Any]:
     return {f"retained/stage{stage}": relative(params["ddp"], params[stage]) for stage in STAGES}
 
 
+def penalty_runs(rank: int, world_size: int) -> dict[str, Any]:
+    """A gradient penalty: ``torch.autograd.grad(loss, x, create_graph=True)`` inside the strategy's
+    ``allow_autograd_grad()`` (Fabric refuses it otherwise), then ``fabric.backward(loss + penalty)``, under Fabric's
+    DDP and stages 1-3: parameters relative to DDP's."""
+    torch.manual_seed(0)
+    initial = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    params = {}
+    for stage in ("ddp", *STAGES):
+        fabric = launched(world_size, DDPStrategy() if stage == "ddp" else zero_strategy(stage))
+        model = copy.deepcopy(initial)
+        wrapped, optimizers = set_up(fabric, model, "one", False)
+        allowed = nullcontext if stage == "ddp" else fabric.strategy.allow_autograd_grad
+        for step in range(STEPS):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 10 * rank)).requires_grad_()
+            loss = wrapped(x).square().mean()
+            with allowed():
+                (gradient,) = torch.autograd.grad(loss, x, create_graph=True)
+            fabric.backward(loss + 0.1 * gradient.square().sum(1).mean())
+            optimizers[0].step()
+            optimizers[0].zero_grad()
+        params[stage] = full_params(fabric, model)
+    return {f"penalty/stage{stage}": relative(params["ddp"], params[stage]) for stage in STAGES}
+
+
 def run_all(rank: int, world_size: int) -> dict[str, Any]:
     """One spawn: every run of this module."""
     results, separate_two = fp32_runs(rank, world_size)
     results.update(retained_runs(rank, world_size))
+    results.update(penalty_runs(rank, world_size))
     results.update(bf16_runs(rank, world_size))
     results.update(init_module_runs(rank, world_size))
     results.update(error_runs(rank, world_size, separate_two))

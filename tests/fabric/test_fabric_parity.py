@@ -61,6 +61,16 @@ def test_fp32_equals_fabric_ddp(results: list[dict[str, Any]], stage: int, kind:
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_a_gradient_penalty_inside_allow_autograd_grad_equals_fabric_ddp(
+    results: list[dict[str, Any]], stage: int
+) -> None:
+    """``torch.autograd.grad(..., create_graph=True)`` through the module's outputs, which Fabric refuses for a
+    strategy with its own backward unless the strategy's ``allow_autograd_grad()`` is entered (a user's trial: the
+    documented gradient penalty failed with "requires you to call fabric.backward")."""
+    assert _each_rank(results, f"penalty/stage{stage}") == pytest.approx([0.0] * len(results), abs=TOLERANCE)
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_two_backwards_over_a_retained_graph_equal_fabric_ddp(results: list[dict[str, Any]], stage: int) -> None:
     """``fabric.backward(l1, retain_graph=True); fabric.backward(l2)`` over one forward: at stage 3 the second
     backward gathers the units again (see [Note: a retained graph])."""
