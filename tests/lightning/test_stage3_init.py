@@ -267,17 +267,19 @@ class InitialisesChildren(nn.Module):
 
 class ParentInitialised(TiedLM):
     """The block above (its layers units of their own: ``wrap_policy={nn.Linear}``), and a multi-head attention whose
-    own reset_parameters() zeroes the bias of its ``out_proj`` child, another unit."""
+    own reset_parameters() zeroes the bias of its ``out_proj`` child, another unit. ``attend``: the forward uses the
+    attention, which reads out_proj's weight without calling out_proj (a unit that is never gathered here)."""
+
+    attend = False
 
     def configure_model(self) -> None:
         if self.net is None:
             self.net = nn.ModuleDict({"block": InitialisesChildren(), "attention": nn.MultiheadAttention(8, 2)})
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        # Not the attention: its forward reads out_proj's weight without calling out_proj, a unit here (initialising
-        # it is what is tested).
         assert self.net is not None
-        return self.net["block"].inner(tokens.float().unsqueeze(-1).expand(-1, -1, 8))
+        x = self.net["block"].inner(tokens.float().unsqueeze(-1).expand(-1, -1, 8))
+        return self.net["attention"](x, x, x)[0] if self.attend else x
 
 
 def _tied_initial_weights(rank: int, world_size: int) -> dict[Any, dict[str, torch.Tensor]]:
@@ -296,6 +298,12 @@ def _tied_initial_weights(rank: int, world_size: int) -> dict[Any, dict[str, tor
     trainer.validate(parent, tokens, verbose=False)
     with trainer.strategy.gathered_params():
         weights["parent"] = {name: p.detach().clone() for name, p in parent.named_parameters()}
+    attending = ParentInitialised(head_first=False)
+    attending.attend = True
+    try:  # last: it raises inside validate
+        _trainer(world_size, strategy=ZeroStrategy(stage=3, wrap_policy={nn.Linear})).validate(attending, tokens)
+    except RuntimeError as error:
+        weights["attending_error"] = str(error)  # type: ignore[assignment]
     return weights
 
 
@@ -340,3 +348,14 @@ def test_a_parents_reset_parameters_initialises_children_in_other_units(
             assert torch.equal(weights[f"net.{name}"], expected[f"net.{name}"]), name
         assert torch.equal(weights["net.attention.out_proj.bias"], torch.zeros(8))
         assert torch.equal(weights["net.attention.in_proj_bias"], torch.zeros(24))
+
+
+def test_a_unit_read_without_calling_its_module_names_the_wrap_policy(
+    initial_weights: list[dict[Any, Any]],
+) -> None:
+    """nn.MultiheadAttention reads its out_proj's weight directly: with out_proj a unit of its own it is never
+    gathered, and the error says why and what to change, not only where a resting parameter may be read."""
+    for per_rank in initial_weights:
+        message = per_rank["attending_error"]
+        assert "'net.attention.out_proj.weight'" in message, message
+        assert "take the owner's class out of wrap_policy" in message, message
