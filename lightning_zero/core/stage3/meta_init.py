@@ -16,7 +16,7 @@ values), as they do for the owners' own resets.
 On a real device a parameter takes its values when its module creates it; tying (``head.weight = emb.weight``)
 then shares those values, and the module that gave its own parameter up never writes into the shared one. On the
 meta device nothing has values until stage 3 runs the owning modules' ``reset_parameters()`` (see
-:func:`~lightning_zero.core.stage3.units.initialise`), and each module sharing the parameter would write its own
+:func:`initialise`), and each module sharing the parameter would write its own
 initialisation into it, the last one winning: a tied embedding got the output head's ``Linear`` initialisation
 instead of the embedding's that DDP and stages 1-2 train from. So while a model is built for stage 3 every
 parameter's first registration is recorded (``torch.nn``'s global parameter registration hook), and
