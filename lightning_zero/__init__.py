@@ -8,6 +8,7 @@ from lightning_zero.core.memory import MemoryReport, StepPeak
 from lightning_zero.estimate import MemoryEstimate, estimate_memory
 from lightning_zero.fabric_precision import ZeroFabricPrecision
 from lightning_zero.fabric_strategy import ZeroFabricStrategy
+from lightning_zero.gradients import grad_norm
 from lightning_zero.loading import load_from_checkpoint
 from lightning_zero.monitor import ZeroMonitor
 from lightning_zero.precision import ZeroPrecision
@@ -27,6 +28,7 @@ __all__ = [
     "consolidate",
     "convert",
     "estimate_memory",
+    "grad_norm",
     "load_from_checkpoint",
 ]
 

@@ -199,6 +199,28 @@ class OptimizerStep:
         self.step_grads.transform(lambda grad: grad.mul_(coefficient.to(grad.device, grad.dtype)))
         return total
 
+    def grad_norms(self, norm_type: float = 2.0) -> dict[int, Tensor]:
+        """The norm of each parameter's step gradient over every shard (collective), by ``id`` of the parameter: those
+        that got a gradient in this step. Before clipping when called first (``on_before_optimizer_step``)."""
+        self.prepare()
+        device = self.device
+        local = torch.zeros(len(self.step_grads.entries), dtype=torch.float32, device=device)
+        if math.isinf(norm_type):
+            terms = self.step_grads.per_entry(lambda g: g.abs().max().float().to(device))
+        else:
+            terms = self.step_grads.per_entry(
+                lambda g: (torch.linalg.vector_norm(g.float(), norm_type) ** norm_type).to(device)
+            )
+        for index, term in terms.items():
+            local[index] = term
+        self.comm.all_reduce(local, op="max" if math.isinf(norm_type) else "sum")
+        norms = local if math.isinf(norm_type) else local ** (1.0 / norm_type)
+        return {
+            id(entry.param): norms[index]
+            for index, entry in enumerate(self.step_grads.entries)
+            if entry.bucket.live[entry.slot]
+        }
+
     def clip_grad_value_(self, clip_value: float) -> None:
         self.prepare()
         self.step_grads.transform(lambda grad: grad.clamp_(min=-clip_value, max=clip_value))

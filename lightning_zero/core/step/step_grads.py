@@ -87,10 +87,15 @@ class StepGrads:
 
     def per_gradient(self, fn: Callable[[Tensor], Tensor]) -> list[Tensor]:
         """``fn`` of every non-empty step gradient, in the order of the entries (paged stores streamed)."""
+        by_index = self.per_entry(fn)
+        return [by_index[i] for i in sorted(by_index)]
+
+    def per_entry(self, fn: Callable[[Tensor], Tensor]) -> dict[int, Tensor]:
+        """``fn`` of every non-empty step gradient, by the index of its entry (paged stores streamed)."""
         by_index: dict[int, Tensor] = {i: fn(g) for i, g in enumerate(self.made) if g is not None and g.numel()}
         for indices, grads in self.paged.each():
             by_index.update((i, fn(g)) for i, g in zip(indices, grads, strict=True) if g.numel())
-        return [by_index[i] for i in sorted(by_index)]
+        return by_index
 
     def current(self) -> list[Tensor]:
         """Every step gradient, in the order of the entries (copies for paged stores)."""
