@@ -327,24 +327,8 @@ class Stage3Scheduler:
             self._issue_up_to(unit)
         elif not self.plan.is_open:
             self._unshard(unit, backward=True)  # no backward was announced: gathered when needed (see the note)
-        elif not unit.gathered_or_pending and recompute:
-            raise RuntimeError(
-                f"ZeroStrategy(stage=3): unit {unit.name!r} is recomputed inside backward, but its forward ran without "
-                "gradients and left no entry in the backward plan: reentrant activation checkpointing "
-                "(torch.utils.checkpoint(..., use_reentrant=True), or a library's gradient checkpointing that uses it) "
-                "around a module that holds units. Use ZeroStrategy(activation_checkpointing=...) or "
-                "torch.utils.checkpoint(..., use_reentrant=False)."
-            )
         elif not unit.gathered_or_pending:
-            raise RuntimeError(
-                f"ZeroStrategy(stage=3): unit {unit.name!r} is needed by this backward pass, but no forward since the "
-                "last backward left an entry for it: every rank must gather the same units in the same order, so a "
-                "backward may only use units whose forward ran after the previous backward (e.g. not forward A, "
-                "forward B, backward A, backward B). Run each backward right after its forward, or use stage 2. "
-                "A second backward over a graph kept with retain_graph=True needs the first announced with it "
-                "(engine.scale_loss(loss, retain_graph=True); Lightning's manual_backward and Fabric's backward do "
-                "that)."
-            )
+            raise _no_entry_error(unit, recompute)
         if self.prefetch and self.plan.pending and self._ahead is None:  # one entry ahead of the unit reached
             self._ahead = self._issue_next()
             if self.plan.pending and not self.plan.peek().holds_secondary:
@@ -402,6 +386,27 @@ class Stage3Scheduler:
             unit.drop_secondary()
         self.forward_order.end_pass()
         self.memory.release()
+
+
+def _no_entry_error(unit: GatherUnit, recompute: bool) -> RuntimeError:
+    """A backward needs ``unit``, which no forward since the last backward left an entry for."""
+    if recompute:
+        return RuntimeError(
+            f"ZeroStrategy(stage=3): unit {unit.name!r} is recomputed inside backward, but its forward ran without "
+            "gradients and left no entry in the backward plan: reentrant activation checkpointing "
+            "(torch.utils.checkpoint(..., use_reentrant=True), or a library's gradient checkpointing that uses it) "
+            "around a module that holds units. Use ZeroStrategy(activation_checkpointing=...) or "
+            "torch.utils.checkpoint(..., use_reentrant=False)."
+        )
+    return RuntimeError(
+        f"ZeroStrategy(stage=3): unit {unit.name!r} is needed by this backward pass, but no forward since the "
+        "last backward left an entry for it: every rank must gather the same units in the same order, so a "
+        "backward may only use units whose forward ran after the previous backward (e.g. not forward A, "
+        "forward B, backward A, backward B). Run each backward right after its forward, or use stage 2. "
+        "A second backward over a graph kept with retain_graph=True needs the first announced with it "
+        "(engine.scale_loss(loss, retain_graph=True); Lightning's manual_backward and Fabric's backward do "
+        "that)."
+    )
 
 
 def _in_backward() -> bool:

@@ -76,6 +76,14 @@ class LossScaling:
         return self.weights is not None and self.weights.skips
 
 
+def _norm_term(norm_type: float, device: torch.device) -> Callable[[Tensor], Tensor]:
+    """One gradient's part of a ``norm_type`` norm over many, on the control ``device`` (offloaded gradients rest on
+    the host): its largest magnitude for the infinity norm, else the sum of its magnitudes to the power."""
+    if math.isinf(norm_type):
+        return lambda g: g.abs().max().to(device)
+    return lambda g: (torch.linalg.vector_norm(g, norm_type).float() ** norm_type).to(device)
+
+
 class OptimizerStep:
     """The step of one optimizer over sharded parameters. See [Note: the step window].
 
@@ -183,15 +191,12 @@ class OptimizerStep:
         """Clip the step gradients by their global norm over all shards; returns the norm (collective)."""
         self.prepare()
         device = self.device
-        if math.isinf(norm_type):  # each term on the control device: offloaded gradients rest on the host
-            terms = self.step_grads.per_gradient(lambda g: g.abs().max().to(device))
+        terms = self.step_grads.per_gradient(_norm_term(norm_type, device))
+        if math.isinf(norm_type):
             local = torch.stack(terms).max() if terms else torch.zeros((), device=device)
             total = local.float().clone()
             self.comm.all_reduce(total, op="max")
         else:
-            terms = self.step_grads.per_gradient(
-                lambda g: (torch.linalg.vector_norm(g, norm_type).float() ** norm_type).to(device)
-            )
             total = sum(terms, torch.zeros((), device=device))
             self.comm.all_reduce(total, op="sum")
             total = total ** (1.0 / norm_type)
@@ -203,15 +208,8 @@ class OptimizerStep:
         """The norm of each parameter's step gradient over every shard (collective), by ``id`` of the parameter: those
         that got a gradient in this step. Before clipping when called first (``on_before_optimizer_step``)."""
         self.prepare()
-        device = self.device
-        local = torch.zeros(len(self.step_grads.entries), dtype=torch.float32, device=device)
-        if math.isinf(norm_type):
-            terms = self.step_grads.per_entry(lambda g: g.abs().max().float().to(device))
-        else:
-            terms = self.step_grads.per_entry(
-                lambda g: (torch.linalg.vector_norm(g.float(), norm_type) ** norm_type).to(device)
-            )
-        for index, term in terms.items():
+        local = torch.zeros(len(self.step_grads.entries), dtype=torch.float32, device=self.device)
+        for index, term in self.step_grads.per_entry(_norm_term(norm_type, self.device)).items():
             local[index] = term
         self.comm.all_reduce(local, op="max" if math.isinf(norm_type) else "sum")
         norms = local if math.isinf(norm_type) else local ** (1.0 / norm_type)
