@@ -52,7 +52,7 @@ reusing gathered storage]). A wrong guess costs memory for a while, never correc
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -66,7 +66,7 @@ from lightning_zero.core.stage3.divergence import GatherSequence
 from lightning_zero.core.stage3.forward_order import ForwardOrder
 from lightning_zero.core.stage3.grad_hooks import GradHooks
 from lightning_zero.core.stage3.secondary import SecondaryShards
-from lightning_zero.core.stage3.units import GatherUnit
+from lightning_zero.core.stage3.units import GatherUnit, held_gathered
 from lightning_zero.core.store.stores import ShardStore
 
 
@@ -207,33 +207,11 @@ class Stage3Scheduler:
             if not self.plan.is_open:
                 self.root.reshard()
 
-    @contextmanager
-    def gathered(self, write_back: bool = False, stores: Callable[[], Iterable[ShardStore]] = tuple) -> Iterator[None]:
-        """Every unit gathered inside the block (collective), and held there: a forward (or backward) run inside
-        frees none of them. With ``write_back`` changes made to the parameters inside (e.g. ``load_state_dict``)
-        are kept: written into the shards and the ``stores``' copies."""
-        for unit in self.units:
-            self._start(unit, exact=True)
-        for unit in self.units:
-            unit.wait()
-        for unit in self.units:
-            unit.held += 1
-        try:
-            yield
-        finally:
-            for unit in self.units:
-                unit.held -= 1
-            buffers = [buffer for unit in self.units for buffer in unit.buffers]
-            for buffer in buffers:  # a parameter given new data inside: kept with write_back, else undone
-                buffer.reattach() if write_back else buffer.restore_param_views()
-            if write_back:
-                for unit in self.units:
-                    unit.write_back()
-                for store in stores():
-                    store.sync_from_params()
-            for unit in self.units:
-                unit.reshard()
-                unit.drop_secondary()  # written back: slices cut before would be stale
+    def gathered(
+        self, write_back: bool = False, stores: Callable[[], Iterable[ShardStore]] = tuple
+    ) -> AbstractContextManager[None]:
+        """Every unit gathered inside the block (collective), and held there: see :func:`held_gathered`."""
+        return held_gathered(self.units, lambda unit: self._start(unit, exact=True), write_back, stores)
 
     # ------------------------------------------------------------------ forward
     def _pre_forward_hook(self, unit: GatherUnit) -> Callable[..., None]:

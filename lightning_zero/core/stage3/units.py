@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -45,6 +46,9 @@ from lightning_zero.core.layout.resting import engine_access
 from lightning_zero.core.options import WrapPolicy
 from lightning_zero.core.peak import DETACHED, PeakLedger
 from lightning_zero.core.stage3.secondary import SecondaryShards
+
+if TYPE_CHECKING:
+    from lightning_zero.core.store.stores import ShardStore
 
 
 def select_units(root: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
@@ -164,6 +168,39 @@ def _unit_ancestors(unit: nn.Module, root: nn.Module, units: list[nn.Module]) ->
 
 def _common_unit(a: nn.Module, b: nn.Module, ancestors: dict[nn.Module, list[nn.Module]]) -> nn.Module:
     return next(unit for unit in ancestors[a] if unit in ancestors[b])
+
+
+@contextmanager
+def held_gathered(
+    units: list[GatherUnit],
+    start: Callable[[GatherUnit], None],
+    write_back: bool = False,
+    stores: Callable[[], Iterable[ShardStore]] = tuple,
+) -> Iterator[None]:
+    """Every unit gathered inside the block (``start`` issues each unit's gather, collective), and held there: a
+    forward (or backward) run inside frees none of them. With ``write_back`` changes made to the parameters inside
+    (e.g. ``load_state_dict``) are kept: written into the shards and the ``stores``' copies."""
+    for unit in units:
+        start(unit)
+    for unit in units:
+        unit.wait()
+    for unit in units:
+        unit.held += 1
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.held -= 1
+        for buffer in [buffer for unit in units for buffer in unit.buffers]:  # a parameter given new data inside:
+            buffer.reattach() if write_back else buffer.restore_param_views()  # kept with write_back, else undone
+        if write_back:
+            for unit in units:
+                unit.write_back()
+            for store in stores():
+                store.sync_from_params()
+        for unit in units:
+            unit.reshard()
+            unit.drop_secondary()  # written back: slices cut before would be stale
 
 
 class GatherUnit:
