@@ -9,6 +9,7 @@ entry point of one spawn and returns plain numbers and strings per rank.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 from contextlib import nullcontext
 from pathlib import Path
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero import ZeroFabricStrategy, ZeroStrategy
+from lightning_zero import ZeroFabricStrategy, ZeroStrategy, grad_norm
 from tests.distributed.models import VOCAB, TinyLM, batch, loss_fn
 from tests.distributed.parity import relative_difference
 from tests.lightning.models import make_trainer
@@ -441,11 +442,49 @@ def penalty_runs(rank: int, world_size: int) -> dict[str, Any]:
     return {f"penalty/stage{stage}": relative(params["ddp"], params[stage]) for stage in STAGES}
 
 
+def grad_norm_runs(rank: int, world_size: int) -> dict[str, Any]:
+    """``lightning_zero.grad_norm`` right after ``fabric.backward``, under Fabric's DDP and stages 1-3: with one
+    optimizer (no argument) and with two (each named; the error when none is): each stage's largest relative
+    difference from DDP's norms, key by key (infinite where the keys differ)."""
+    torch.manual_seed(0)
+    initial = TinyLM()
+    norms: dict[Any, dict[str, float]] = {}
+    out: dict[str, Any] = {}
+    for stage in ("ddp", *STAGES):
+        seen: dict[str, float] = {}
+        for kind in KINDS:
+            fabric = launched(world_size, DDPStrategy() if stage == "ddp" else zero_strategy(stage))
+            wrapped, optimizers = set_up(fabric, copy.deepcopy(initial), kind, False)
+            for step in range(2):
+                tokens, targets = micro_batch(step, 0, rank)
+                fabric.backward(loss_fn(wrapped, tokens, targets))
+                if kind == "two" and stage != "ddp" and step == 0:
+                    out[f"grad_norm_error/stage{stage}"] = _error_of(functools.partial(grad_norm, wrapped, 2))
+                by_optimizer = [None] if kind == "one" else optimizers
+                for index, optimizer in enumerate(by_optimizer):
+                    for key, value in grad_norm(wrapped, 2, optimizer=optimizer).items():
+                        seen[f"{kind}/{step}/{index}/{key}"] = float(value)
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad()
+        norms[stage] = seen
+    out["grad_norm/keys"] = sorted(norms["ddp"])
+    for stage in STAGES:
+        if norms[stage].keys() != norms["ddp"].keys():
+            out[f"grad_norm/stage{stage}"] = float("inf")
+            continue
+        out[f"grad_norm/stage{stage}"] = max(
+            abs(norms[stage][key] - value) / max(abs(value), 1e-12) for key, value in norms["ddp"].items()
+        )
+    return out
+
+
 def run_all(rank: int, world_size: int) -> dict[str, Any]:
     """One spawn: every run of this module."""
     results, separate_two = fp32_runs(rank, world_size)
     results.update(retained_runs(rank, world_size))
     results.update(penalty_runs(rank, world_size))
+    results.update(grad_norm_runs(rank, world_size))
     results.update(bf16_runs(rank, world_size))
     results.update(init_module_runs(rank, world_size))
     results.update(error_runs(rank, world_size, separate_two))

@@ -71,6 +71,19 @@ def test_a_gradient_penalty_inside_allow_autograd_grad_equals_fabric_ddp(
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_grad_norm_after_fabric_backward_equals_fabric_ddp(results: list[dict[str, Any]], stage: int) -> None:
+    """``lightning_zero.grad_norm(model, 2)`` between ``fabric.backward`` and the step gives Fabric's DDP norms, key
+    by key, with one optimizer and with each of two named (under ZeRO the parameters have no ``.grad``); with two and
+    none named it raises on every rank, naming the argument."""
+    keys = results[0]["grad_norm/keys"]
+    assert any(key.startswith("one/") and key.endswith("_total") for key in keys)
+    assert any(key.startswith("two/1/1/") and key.endswith("head.weight") for key in keys), keys
+    assert _each_rank(results, f"grad_norm/stage{stage}") == pytest.approx([0.0] * len(results), abs=TOLERANCE)
+    for error in _each_rank(results, f"grad_norm_error/stage{stage}"):
+        assert "optimizer=optimizer" in error
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_two_backwards_over_a_retained_graph_equal_fabric_ddp(results: list[dict[str, Any]], stage: int) -> None:
     """``fabric.backward(l1, retain_graph=True); fabric.backward(l2)`` over one forward: at stage 3 the second
     backward gathers the units again (see [Note: a retained graph])."""
