@@ -52,7 +52,7 @@ def _runs(rank: int, world_size: int) -> dict[Any, dict]:
         **{overlap: _run(rank, overlap) for overlap in (True, False)},
         "announced": _announced(rank),
         **{f"recomputed={on}": _recomputed(rank, on) for on in (False, True)},
-        **{f"frozen_base={on}": _frozen_base(rank, on) for on in (False, True)},
+        **{f"frozen_base={on}": _frozen_base(rank, on) for on in (False, True, "save_on_cpu", "save_on_cpu_inside")},
         "reentrant": _reentrant(rank),  # last: its backward raises
     }
 
@@ -267,16 +267,35 @@ class LowRankAdapted(nn.Module):
         return torch.tanh(self.base(x) + self.adapter(x))
 
 
-def _frozen_base(rank: int, checkpointing: bool) -> dict:
+class HostSavedBase(LowRankAdapted):
+    """Its base layer's forward under ``save_on_cpu``, the adapter's not: a checkpoint around it recomputes both."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu(pin_memory=False):
+            base = self.base(x)
+        return torch.tanh(base + self.adapter(x))
+
+
+def _frozen_base(rank: int, checkpointing: bool | str) -> dict:
     """A frozen embedding, then blocks whose frozen base layer takes an input that needs no gradient (the first
-    block's): its outputs need none either, so backward never reaches it, but a checkpoint recomputes it."""
+    block's): its outputs need none either, so backward never reaches it, but a checkpoint recomputes it.
+    ``"save_on_cpu"``: the forward under ``torch.autograd.graph.save_on_cpu`` instead (saved-tensor hooks that never
+    recompute)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(16, 64).requires_grad_(False), *[LowRankAdapted() for _ in range(3)])
-    if checkpointing:
+    initial = model.state_dict()
+    saving = functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=False)
+    if checkpointing == "save_on_cpu":
+        model.forward = functools.partial(_under, saving, model.forward)
+    elif checkpointing == "save_on_cpu_inside":  # checkpointed blocks whose base layer saves on the host
+        model = nn.Sequential(model[0], *[HostSavedBase() for _ in range(3)])
+        model.load_state_dict(initial)
+        apply_activation_checkpointing(model, {HostSavedBase})
+    elif checkpointing:
         apply_activation_checkpointing(model, {LowRankAdapted})
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     engine = ZeroEngine(model, [optimizer], EngineOptions(stage=3, wrap_policy={nn.Linear}), Communicator())
-    left = []
+    left, gathered = [], []
     for step in range(STEPS):
         optimizer.zero_grad()
         tokens = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(step + rank))
@@ -284,16 +303,35 @@ def _frozen_base(rank: int, checkpointing: bool) -> dict:
         engine.finish_backward()
         optimizer.step()
         left.append(_in_flight(engine))
+        gathered.append(engine.last_step_comm.by_op["all_gather"])
     with engine.gathered():
         weights = [p.detach().clone() for p in model.parameters()]
-    return {"weights": weights, "left": left}
+    return {"weights": weights, "left": left, "all_gather": gathered}
+
+
+def _under(context: Any, forward: Any, *args: Any) -> Any:
+    with context():
+        return forward(*args)
 
 
 def test_a_frozen_unit_inside_a_checkpoint_is_gathered_for_its_recompute(runs: list[dict[Any, dict]]) -> None:
     """The recompute of a checkpointed block needs its frozen base layer gathered, though backward never reaches
-    it: a plan entry recorded for it in forward (it raised "no forward since the last backward left an entry")."""
+    it: a plan entry recorded for it in forward (it raised "no forward since the last backward left an entry"), also
+    where the block uses ``save_on_cpu`` inside (its hooks then top the checkpoint's)."""
     for per_rank in runs:
-        plain, recomputed = per_rank["frozen_base=False"], per_rank["frozen_base=True"]
-        assert recomputed["left"] == plain["left"] == [0] * STEPS
-        for a, b in zip(recomputed["weights"], plain["weights"], strict=True):
+        plain = per_rank["frozen_base=False"]
+        for recomputed in (per_rank["frozen_base=True"], per_rank["frozen_base=save_on_cpu_inside"]):
+            assert recomputed["left"] == plain["left"] == [0] * STEPS
+            for a, b in zip(recomputed["weights"], plain["weights"], strict=True):
+                assert torch.equal(a, b)
+
+
+def test_saved_tensor_hooks_that_never_recompute_cost_no_gather(runs: list[dict[Any, dict]]) -> None:
+    """Under ``save_on_cpu`` (saved-tensor hooks, but no recompute) a frozen unit whose outputs need no gradient
+    records no plan entry: the same gathers as without it (it once cost one more at the end of each backward)."""
+    for per_rank in runs:
+        plain, saving = per_rank["frozen_base=False"], per_rank["frozen_base=save_on_cpu"]
+        assert saving["all_gather"] == plain["all_gather"], (saving["all_gather"], plain["all_gather"])
+        assert saving["left"] == [0] * STEPS
+        for a, b in zip(saving["weights"], plain["weights"], strict=True):
             assert torch.equal(a, b)

@@ -33,8 +33,9 @@ graph's nodes alive, see :class:`GradHooks`), so an unannounced second backward 
 A unit whose outputs need no gradient (frozen, its inputs too: a frozen base layer of the first block of a LoRA
 fine-tune) leaves no plan entry: backward never needs it. Inside an activation checkpoint it does: the checkpoint
 runs the block's forward again inside backward, and that needs the unit gathered, in the same order on every rank.
-So a forward of such a unit under saved-tensor hooks (those of a non-reentrant checkpoint) records a plan entry
-without gradient hooks; the recompute reaches it through its pre-forward hook, and its post-forward hook frees it
+So a forward of such a unit under saved-tensor hooks (those of a non-reentrant checkpoint; not torch's
+``save_on_cpu``, which never recomputes, unless a checkpoint's hooks lie under it) records a plan entry without
+gradient hooks; the recompute reaches it through its pre-forward hook, and its post-forward hook frees it
 (no saved tensor of an operation without gradients refers to its parameters). A reentrant checkpoint runs its
 forward without gradients, so nothing inside is recorded: a recompute that needs a unit without an entry raises,
 naming ``use_reentrant=False``.
@@ -392,9 +393,24 @@ def _in_backward() -> bool:
 
 
 _TOP_SAVED_TENSORS_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_SAVED_TENSORS_MOVED_BY = torch.autograd.graph.save_on_cpu.__module__  # its hooks copy to the host, never recompute
 
 
 def _may_be_recomputed() -> bool:
-    """Saved-tensor hooks are active: a non-reentrant checkpoint's (or another's, e.g. ``save_on_cpu``: then a plan
-    entry costs one gather at the end of backward). See [Note: units recomputed without gradients]."""
-    return _TOP_SAVED_TENSORS_HOOKS is not None and _TOP_SAVED_TENSORS_HOOKS(False) is not None
+    """Saved-tensor hooks are active that may recompute: a non-reentrant checkpoint's, or any but torch's own that
+    only move what is saved (``save_on_cpu``, whose plan entry would cost one gather at the end of backward), at any
+    depth of the stack of hooks (a checkpointed block may use ``save_on_cpu`` inside). See [Note: units recomputed
+    without gradients]."""
+    if _TOP_SAVED_TENSORS_HOOKS is None:
+        return False
+    popped = []  # torch shows the top of the stack only: look under it, then put it back
+    try:
+        while (hooks := _TOP_SAVED_TENSORS_HOOKS(False)) is not None:
+            if getattr(hooks[0], "__module__", None) != _SAVED_TENSORS_MOVED_BY:
+                return True
+            popped.append(hooks)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        return False
+    finally:
+        for hooks in reversed(popped):
+            torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
