@@ -94,6 +94,8 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
         self._backward_sync_control = _ZeroBackwardSyncControl(self.session)
         self._module: nn.Module | None = None
         self._steps = 0  # optimizer steps taken, for the loss weighting's messages
+        self._forward_awaits_backward = False  # a training forward ran since the last backward (or step)
+        self._forward_running = False  # a training forward began and has not returned (it raised, if another begins)
 
     # ------------------------------------------------------------------ topology (see front_door.py)
     @property
@@ -211,24 +213,36 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
         precision.attach(self.session.engine_or_none)
         # First, before the root unit's own hook gathers it: a new iteration frees every unit (see Stage3Scheduler).
         module.register_forward_pre_hook(self._before_forward, prepend=True)
+        module.register_forward_hook(self._after_forward)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        """A training forward begins an iteration (collective), as the Trainer's ``training_step`` does; forwards
-        under ``torch.no_grad()`` or in ``eval()`` mode do not, as DDP's."""
+        """The first training forward after a backward (or a step) begins an iteration (collective), as the Trainer's
+        ``training_step`` does; forwards under ``torch.no_grad()`` or in ``eval()`` mode do not, as DDP's. Nor does
+        a second forward before the backward (a siamese or contrastive loss over two calls of the model: beginning
+        an iteration there freed the units the first forward's graph needs), unless the one before it raised."""
         if module.training and torch.is_grad_enabled():
-            self.session.begin_training_forward()
+            new_iteration = not self._forward_awaits_backward or self._forward_running
+            self._forward_running = True
+            self.session.begin_training_forward(new_iteration=new_iteration)
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._forward_running:
+            self._forward_running = False
+            self._forward_awaits_backward = True
 
     # ------------------------------------------------------------------ backward and step
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         # fabric.backward(loss_sum, loss_weight=n): the weight goes to the engine, not to torch's backward.
         weight = kwargs.pop(loss_weighting.WEIGHT_KEY, None)
+        self._forward_awaits_backward = False
         self.session.take_manual_backward(tensor, weight, self._steps, call="fabric.backward")
         super().backward(tensor, module, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         self._steps += 1
+        self._forward_awaits_backward = False
         return super().optimizer_step(optimizer, **kwargs)
 
     @override
@@ -303,11 +317,16 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        if isinstance(state, nn.Module | Optimizer):
-            state = {"model" if isinstance(state, nn.Module) else "optimizer": state}
+        raw = isinstance(state, nn.Module | Optimizer)  # fabric.load_raw: the file holds its own state dict
+        if raw:
+            key = "model" if isinstance(state, nn.Module) else "optimizer"
+            state = {key: state}
         if os.path.isdir(path):
             return fabric_checkpoints.load_sharded(self.session, path, state or {}, strict)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        if raw:
+            fabric_checkpoints.load_full(self.session, {key: checkpoint}, state, strict)
+            return {}
         return fabric_checkpoints.load_full(self.session, checkpoint, state or {}, strict)
 
     def remove_checkpoint(self, path: _PATH) -> None:

@@ -203,12 +203,13 @@ class ZeroSession:
         with self._engine.model.scheduler.hold_root() if manual else nullcontext():
             yield
 
-    def begin_training_forward(self) -> None:
-        """Before a training forward: whatever an exception in the last iteration left is reset, parameters unfrozen
-        or added to an optimizer since then are sharded (collective); rank 0's buffers are broadcast as DDP does;
-        at stage 3 the root unit is gathered."""
+    def begin_training_forward(self, new_iteration: bool = True) -> None:
+        """Before a training forward: with ``new_iteration`` (not a second forward before one backward) whatever an
+        exception in the last iteration left is reset, parameters unfrozen or added to an optimizer since then are
+        sharded (collective); rank 0's buffers are broadcast as DDP does; at stage 3 the root unit is gathered."""
         engine = self._engine
-        engine.begin_iteration()
+        if new_iteration:
+            engine.begin_iteration()
         # As DDP: rank 0's buffers (BatchNorm statistics) are broadcast in a forward that follows one whose
         # gradients were reduced, not after a micro-batch of gradient accumulation.
         if self._sync_buffers_next:

@@ -8,6 +8,7 @@ entry point of one spawn and returns plain numbers and strings per rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
@@ -479,12 +480,38 @@ def grad_norm_runs(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+def two_forward_runs(rank: int, world_size: int) -> dict[str, Any]:
+    """Two calls of the model before one ``fabric.backward`` (a siamese or contrastive loss), after a forward and one
+    that raised (a wrong input, caught) before the first step, under Fabric's DDP and stages 1-3: parameters relative to
+    DDP's."""
+    torch.manual_seed(0)
+    initial = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    params = {}
+    for stage in ("ddp", *STAGES):
+        fabric = launched(world_size, DDPStrategy() if stage == "ddp" else zero_strategy(stage))
+        model = copy.deepcopy(initial)
+        wrapped, optimizers = set_up(fabric, model, "one", False)
+        for step in range(STEPS):
+            generator = torch.Generator().manual_seed(step + 10 * rank)
+            first, second = torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator)
+            if step == 0:  # a forward, then one that raises (its first unit gathered): the user starts again
+                wrapped(first)
+                with contextlib.suppress(RuntimeError):
+                    wrapped(torch.randn(4, 5))
+            fabric.backward((wrapped(first) - wrapped(second)).square().mean())
+            optimizers[0].step()
+            optimizers[0].zero_grad()
+        params[stage] = full_params(fabric, model)
+    return {f"two_forwards/stage{stage}": relative(params["ddp"], params[stage]) for stage in STAGES}
+
+
 def run_all(rank: int, world_size: int) -> dict[str, Any]:
     """One spawn: every run of this module."""
     results, separate_two = fp32_runs(rank, world_size)
     results.update(retained_runs(rank, world_size))
     results.update(penalty_runs(rank, world_size))
     results.update(grad_norm_runs(rank, world_size))
+    results.update(two_forward_runs(rank, world_size))
     results.update(bf16_runs(rank, world_size))
     results.update(init_module_runs(rank, world_size))
     results.update(error_runs(rank, world_size, separate_two))

@@ -142,6 +142,33 @@ def _save_and_load(rank: int, world_size: int, stage: int, state_dict_type: str,
     }
 
 
+def _plain_states(seed: int) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """A TinyLM and its AdamW after one step in one process: their own state dicts, as a user saves them."""
+    torch.manual_seed(seed)
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    loss_fn(model, *batch(seed=7, size=GLOBAL_BATCH)).backward()
+    optimizer.step()
+    return model.state_dict(), optimizer.state_dict()
+
+
+def _load_raw(rank: int, world_size: int, stage: int, directory: str) -> dict[str, Any]:
+    """``fabric.load_raw`` of a plain model's and a plain optimizer's own state dict files (litgpt loads pretrained
+    weights so): what the set-up model and optimizer then hold, in full."""
+    model_path, optimizer_path = f"{directory}/raw_model_{stage}.pt", f"{directory}/raw_optimizer_{stage}.pt"
+    model_state, optimizer_state = _plain_states(seed=5)
+    fabric = _fabric(world_size, stage)
+    if rank == 0:
+        torch.save(model_state, model_path)
+        torch.save(optimizer_state, optimizer_path)
+    fabric.barrier()
+    model, optimizer, _ = _setup(fabric, seed=1)
+    fabric.load_raw(model_path, model)
+    fabric.load_raw(optimizer_path, optimizer)
+    files = {"model": torch.load(model_path), "optimizer": torch.load(optimizer_path)}
+    return {**_states(fabric, model, optimizer), "files": files}
+
+
 def _memory(world_size: int) -> dict[str, Any]:
     fabric = _fabric(world_size, 2)
     torch.manual_seed(0)
@@ -232,6 +259,8 @@ def _first_two(rank: int, world_size: int, directory: str) -> dict[str, Any]:
         for kind in ("sharded", "full"):
             path = f"{directory}/s{stage}_{kind}" + (".ckpt" if kind == "full" else "")
             out[(stage, kind)] = _guarded(partial(_save_and_load, rank, world_size, stage, kind, path), rank)
+    for stage in STAGES:
+        out[("raw", stage)] = _guarded(partial(_load_raw, rank, world_size, stage, directory), rank)
     out["run_2_stage3"] = _guarded(lambda: _resumable_run(rank, world_size, 3, f"{directory}/run_2_stage3"), rank)
     out["memory"] = _guarded(lambda: _memory(world_size), rank)
     out["trainer"] = _guarded(lambda: _with_trainer(rank, world_size, directory), rank)
@@ -319,6 +348,19 @@ def test_load_restores_model_optimizer_and_extra_entries_exactly(runs: dict, sta
         assert not _unequal(saved["scheduler"], loaded["scheduler"])
         assert loaded["lr"] == pytest.approx(1e-2 * 0.7**2)  # the scheduler's last lr went into the optimizer
         assert loaded["remainder"] == {"note": "n"}  # what the state did not ask for, nothing of the strategy's
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_load_raw_loads_a_plain_state_dict_file(runs: dict, stage: int) -> None:
+    """``fabric.load_raw(path, model)`` and ``(path, optimizer)`` of files holding a plain model's and optimizer's own
+    state dicts load them exactly (it raised "state contains a key 'model' that does not exist", and with
+    ``strict=False`` loaded nothing, silently: found in a user's trial)."""
+    for rank, result in enumerate(runs["first"]):
+        loaded = _ok(result[("raw", stage)])
+        model_state, optimizer_state = loaded["files"]["model"], loaded["files"]["optimizer"]
+        assert not _unequal(model_state, loaded["model"]), f"rank {rank}: {_unequal(model_state, loaded['model'])}"
+        assert not _unequal(optimizer_state["state"], loaded["optimizer"]["state"]), f"rank {rank}"
+        assert optimizer_state["state"][0]["step"] == 1
 
 
 @pytest.mark.parametrize("kind", ["sharded", "full"])

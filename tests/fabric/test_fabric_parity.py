@@ -84,6 +84,14 @@ def test_grad_norm_after_fabric_backward_equals_fabric_ddp(results: list[dict[st
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_two_forwards_before_one_backward_equal_fabric_ddp(results: list[dict[str, Any]], stage: int) -> None:
+    """``fabric.backward(f(model(a), model(b)))``: the second forward must not begin a new iteration (at stage 3 that
+    freed the units the first forward's graph needs: "setStorage ... out of bounds for storage of size 0", found in a
+    user's trial); after a forward that raised (caught), training still equals DDP."""
+    assert _each_rank(results, f"two_forwards/stage{stage}") == pytest.approx([0.0] * len(results), abs=TOLERANCE)
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_two_backwards_over_a_retained_graph_equal_fabric_ddp(results: list[dict[str, Any]], stage: int) -> None:
     """``fabric.backward(l1, retain_graph=True); fabric.backward(l2)`` over one forward: at stage 3 the second
     backward gathers the units again (see [Note: a retained graph])."""
