@@ -69,7 +69,7 @@ def load_sharded(session: ZeroSession, path: str | os.PathLike, state: dict[str,
     for key in modules:
         session.load_module_state_dict(state[key], checkpoint, strict)
     if optimizers:
-        session.load_optimizer_states(session.engine.optimizers, checkpoint, strict)
+        session.load_optimizer_states(_in_saved_order(session, checkpoint, state, optimizers), checkpoint, strict)
     for key, obj in list(state.items()):
         if key in modules or key in optimizers or key not in checkpoint:
             continue
@@ -99,6 +99,20 @@ def load_full(session: ZeroSession, checkpoint: dict[str, Any], state: dict[str,
         else:
             state[key] = saved
     return checkpoint
+
+
+def _in_saved_order(
+    session: ZeroSession, checkpoint: dict[str, Any], state: dict[str, Any], keys: list[str]
+) -> list[Optimizer]:
+    """The engine's optimizers in the checkpoint's order, matched by their keys in ``state`` (as Fabric's DDP loads
+    each optimizer by its key): a run that sets its optimizers up in another order resumes them right. Where the
+    keys do not name them all (a Trainer's checkpoint, other keys), the engine's order."""
+    saved = (checkpoint.get(FABRIC_KEYS) or {}).get("by_engine")
+    engine_optimizers = session.engine.optimizers
+    if saved is None or sorted(map(str, saved)) != sorted(keys) or len(keys) != len(engine_optimizers):
+        return engine_optimizers
+    ordered = [state[key] for key in saved]
+    return ordered if {id(o) for o in ordered} == {id(o) for o in engine_optimizers} else engine_optimizers
 
 
 def _as_saved(checkpoint: dict[str, Any]) -> dict[str, Any]:

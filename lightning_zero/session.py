@@ -314,8 +314,9 @@ class ZeroSession:
     def load_optimizer_states(
         self, optimizers: Sequence[Optimizer], checkpoint: Mapping[str, Any], strict_loading: bool
     ) -> None:
-        """Load the checkpoint's optimizer states into those of ``optimizers`` the engine manages, first adding
-        back the param groups added after setup (collective)."""
+        """Load the checkpoint's optimizer states, in their order, into those of ``optimizers`` the engine manages
+        (Fabric's may come in another order than the engine's), first adding back the param groups added after setup
+        (collective)."""
         managed = [o for o in optimizers if self._engine.model.manages(o)]
         if not managed:
             return  # nothing to load (e.g. configure_optimizers returned None)
@@ -330,7 +331,10 @@ class ZeroSession:
         if restore_added_param_groups(engine.model, managed, saved):
             engine.begin_iteration()  # shards the parameters of the groups added back (collective)
         if SHARDED_KEY in checkpoint:
-            _load_sharded_optimizers(engine, checkpoint[SHARDED_KEY], strict_loading)
+            position = {id(o): i for i, o in enumerate(engine.optimizers)}
+            order = [position[id(o)] for o in managed if id(o) in position]
+            whole = sorted(order) == list(range(len(engine.optimizers)))  # else the engine's own, as always
+            _load_sharded_optimizers(engine, checkpoint[SHARDED_KEY], strict_loading, order if whole else None)
             return
         for optimizer, state in zip(managed, checkpoint["optimizer_states"], strict=True):
             engine.load_full_optimizer_state_dict(optimizer, state)
@@ -399,11 +403,14 @@ def half_built(module: nn.Module | None) -> bool:
         return any(p.is_meta or isinstance(p, RestingParameter) for p in module.parameters())
 
 
-def _load_sharded_optimizers(engine: ZeroEngine, checkpoint: ShardedCheckpoint, strict: bool) -> None:
+def _load_sharded_optimizers(
+    engine: ZeroEngine, checkpoint: ShardedCheckpoint, strict: bool, order: list[int] | None = None
+) -> None:
     """Optimizer state needs the param groups it was saved with, whatever ``strict_loading`` says (as with DDP,
-    whose ``Optimizer.load_state_dict`` refuses groups of other sizes); without it the error says so."""
+    whose ``Optimizer.load_state_dict`` refuses groups of other sizes); without it the error says so. ``order``:
+    the checkpoint's optimizer ``i`` loads into the engine's ``order[i]``."""
     try:
-        load_sharded_optimizers(engine.named_state(), checkpoint)
+        load_sharded_optimizers(engine.named_state(order), checkpoint)
     except CheckpointError as error:
         if strict:
             raise

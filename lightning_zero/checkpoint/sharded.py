@@ -67,7 +67,7 @@ class ShardedCheckpoint:
             size = file.stat().st_size if file.is_file() else -1
             if size != digest["bytes"]:
                 found = "is missing" if size < 0 else f"has {size} bytes"
-                errors.append(f"{name} {found}, the save wrote {digest['bytes']} (truncated or replaced)")
+                errors.append(f"{name} {found}, the save wrote {digest['bytes']} bytes (truncated or replaced)")
             elif comm is None or index % comm.world_size == comm.rank:
                 crc = file_digest(file)["crc32"]
                 if crc != digest["crc32"]:

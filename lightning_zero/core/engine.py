@@ -270,9 +270,10 @@ class ZeroEngine:
         with self.model.gathered(write_back):
             yield
 
-    def named_state(self) -> NamedState:
-        """The engine's state by name, for checkpoints (see core/named_state.py)."""
-        return NamedState(self.model)
+    def named_state(self, order: Sequence[int] | None = None) -> NamedState:
+        """The engine's state by name, for checkpoints (see core/named_state.py); ``order``: its optimizer ``i`` is
+        the engine's ``order[i]``."""
+        return NamedState(self.model, order)
 
     def full_state_dict(self, keep: bool) -> dict[str, Tensor]:
         """The module's ``state_dict`` with full tensors (fp32 masters where kept), collected on ranks with ``keep``

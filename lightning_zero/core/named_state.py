@@ -90,8 +90,12 @@ class ShardedTensor:
 class NamedState:
     """The checkpoint-facing view of one model. See the module docstring."""
 
-    def __init__(self, model: ShardedModel) -> None:
+    def __init__(self, model: ShardedModel, order: Sequence[int] | None = None) -> None:
         self._model = model
+        # Optimizer ``index`` here is the model's ``order[index]`` (a checkpoint that holds them in another order).
+        order = range(len(model.optimizers)) if order is None else order
+        self._optimizers = [model.optimizers[i] for i in order]
+        self._steps = [model.steps[i] for i in order]
         self.comm = model.comm  # the ranks that hold the shards (the shard group)
         self.world = model.topology.world  # every rank (agreements)
         self.writes = model.topology.writes  # whether this rank writes checkpoint files (one replica does)
@@ -149,11 +153,11 @@ class NamedState:
     def optimizer_param_names(self) -> list[list[list[str]]]:
         """Per optimizer, per param group, the names of its parameters."""
         names = self._model.names
-        return [[[names[p] for p in group["params"]] for group in o.param_groups] for o in self._model.optimizers]
+        return [[[names[p] for p in group["params"]] for group in o.param_groups] for o in self._optimizers]
 
     def optimizer_hyperparameters(self, index: int) -> list[dict[str, Any]]:
         """Optimizer ``index``'s param groups without their parameters."""
-        optimizer = self._model.optimizers[index]
+        optimizer = self._optimizers[index]
         return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
     def saving(self) -> AbstractContextManager[None]:
@@ -165,8 +169,8 @@ class NamedState:
         (whole-tensor owners hold it in the parameter's shape), and any other state as it is (see
         :meth:`whole_state_keys`)."""
         model = self._model
-        optimizer = model.optimizers[index]
-        managed = [entry.param for entry in model.steps[index].entries]
+        optimizer = self._optimizers[index]
+        managed = [entry.param for entry in self._steps[index].entries]
         states = model.optimizer_state(optimizer)  # paged-out state read back (see core/store/disk.py)
         return {
             model.names[p]: {k: v.reshape(-1) if param_shaped(v, p.shape) else v for k, v in states[id(p)].items()}
@@ -181,7 +185,7 @@ class NamedState:
         by the owner."""
         model = self._model
         found = {}
-        for entry in model.steps[index].entries:
+        for entry in self._steps[index].entries:
             if not entry.store.buffer.layout.whole_tensors:
                 continue  # flat pieces: element-wise state only (see [Note: the element-wise probe])
             state = states.get(model.names[entry.param]) or {}
@@ -196,12 +200,13 @@ class NamedState:
     ) -> None:
         """Set optimizer ``index``'s hyper-parameters and its state by parameter name (this rank's pieces)."""
         model = self._model
-        optimizer = model.optimizers[index]
+        optimizer = self._optimizers[index]
+        check_same_optimizer_type(optimizer, hyperparameters)
         for group, hyper in zip(optimizer.param_groups, hyperparameters, strict=True):
             group.update(hyper)
         optimizer.state.clear()
         by_name = {model.names[p]: p for g in optimizer.param_groups for p in g["params"]}
-        whole = {id(e.param) for e in model.steps[index].entries if e.store.buffer.layout.whole_tensors}
+        whole = {id(e.param) for e in self._steps[index].entries if e.store.buffer.layout.whole_tensors}
         for name, state in states.items():
             param = by_name[name]
             if id(param) in whole:  # the owner steps the parameter in its own shape (see [Note: owner layout])
@@ -219,6 +224,28 @@ class NamedState:
             if tensor.name == name:
                 return tensor.start, tensor.end
         return None
+
+
+# Entries that LR schedulers add to param groups (OneCycleLR, CyclicLR, ...), not an optimizer's hyper-parameters.
+_SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_lr", "base_momentum", "max_momentum"})
+
+
+def check_same_optimizer_type(optimizer: Optimizer, saved_groups: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse optimizer state saved by another type of optimizer (AdamW's loaded into SGD), on every rank alike: the
+    saved groups hold hyper-parameters this optimizer does not know and lack some of its own. (A group only
+    missing some, saved by an older torch, or holding a scheduler's entries, loads.)"""
+    saved = {key for group in saved_groups for key in group} - {"params", "param_names"} - _SCHEDULER_KEYS
+    known = set(optimizer.defaults).union(*(group.keys() for group in optimizer.param_groups))
+    foreign, missing = sorted(saved - known), sorted(set(optimizer.defaults) - saved)
+    if foreign and missing:
+        kind = type(optimizer).__qualname__
+        raise ValueError(
+            f"the checkpoint's optimizer state comes from another optimizer type: its param groups hold {foreign}, "
+            f"which {kind} does not have, and lack {kind}'s {missing}. Resume with the optimizer that saved it, or "
+            "start from the checkpoint's weights alone with a fresh optimizer (Trainer: lightning_zero."
+            "load_from_checkpoint(Model, path), then fit without ckpt_path; Fabric: fabric.load(path, {'model': "
+            "model}))."
+        )
 
 
 def full_optimizer_state_dict(model: ShardedModel, optimizer: Optimizer) -> dict[str, Any]:
@@ -257,6 +284,7 @@ def load_full_optimizer_state_dict(model: ShardedModel, optimizer: Optimizer, st
             f"the checkpoint's optimizer has param groups of sizes {[len(g['params']) for g in saved_groups]}, "
             f"this one {sizes}: the model or configure_optimizers() differs."
         )
+    check_same_optimizer_type(optimizer, saved_groups)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
         group.update({k: v for k, v in saved.items() if k != "params"})

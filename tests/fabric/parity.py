@@ -12,6 +12,7 @@ import contextlib
 import copy
 import functools
 import gc
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -419,17 +420,27 @@ def retained_runs(rank: int, world_size: int) -> dict[str, Any]:
     return {f"retained/stage{stage}": relative(params["ddp"], params[stage]) for stage in STAGES}
 
 
-def penalty_runs(rank: int, world_size: int) -> dict[str, Any]:
-    """A gradient penalty: ``torch.autograd.grad(loss, x, create_graph=True)`` inside the strategy's
-    ``allow_autograd_grad()`` (Fabric refuses it otherwise), then ``fabric.backward(loss + penalty)``, under Fabric's
-    DDP and stages 1-3: parameters relative to DDP's."""
-    torch.manual_seed(0)
-    initial = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+def against_ddp(
+    world_size: int, initial: nn.Module, name: str, train: Callable[[Fabric, Any, Optimizer, Any], None]
+) -> dict[str, float]:
+    """``train(fabric, wrapped, optimizer, stage)`` of a copy of ``initial`` with one AdamW under Fabric's DDP and
+    stages 1-3: each stage's parameters relative to DDP's, as ``{name}/stage{n}``."""
     params = {}
     for stage in ("ddp", *STAGES):
         fabric = launched(world_size, DDPStrategy() if stage == "ddp" else zero_strategy(stage))
         model = copy.deepcopy(initial)
         wrapped, optimizers = set_up(fabric, model, "one", False)
+        train(fabric, wrapped, optimizers[0], stage)
+        params[stage] = full_params(fabric, model)
+    return {f"{name}/stage{stage}": relative(params["ddp"], params[stage]) for stage in STAGES}
+
+
+def penalty_runs(rank: int, world_size: int) -> dict[str, Any]:
+    """A gradient penalty: ``torch.autograd.grad(loss, x, create_graph=True)`` inside the strategy's
+    ``allow_autograd_grad()`` (Fabric refuses it otherwise), then ``fabric.backward(loss + penalty)``, under Fabric's
+    DDP and stages 1-3: parameters relative to DDP's."""
+
+    def train(fabric: Fabric, wrapped: Any, optimizer: Optimizer, stage: Any) -> None:
         allowed = nullcontext if stage == "ddp" else fabric.strategy.allow_autograd_grad
         for step in range(STEPS):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 10 * rank)).requires_grad_()
@@ -437,10 +448,12 @@ def penalty_runs(rank: int, world_size: int) -> dict[str, Any]:
             with allowed():
                 (gradient,) = torch.autograd.grad(loss, x, create_graph=True)
             fabric.backward(loss + 0.1 * gradient.square().sum(1).mean())
-            optimizers[0].step()
-            optimizers[0].zero_grad()
-        params[stage] = full_params(fabric, model)
-    return {f"penalty/stage{stage}": relative(params["ddp"], params[stage]) for stage in STAGES}
+            optimizer.step()
+            optimizer.zero_grad()
+
+    torch.manual_seed(0)
+    initial = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    return against_ddp(world_size, initial, "penalty", train)
 
 
 def grad_norm_runs(rank: int, world_size: int) -> dict[str, Any]:
@@ -484,13 +497,8 @@ def two_forward_runs(rank: int, world_size: int) -> dict[str, Any]:
     """Two calls of the model before one ``fabric.backward`` (a siamese or contrastive loss), after a forward and one
     that raised (a wrong input, caught) before the first step, under Fabric's DDP and stages 1-3: parameters relative to
     DDP's."""
-    torch.manual_seed(0)
-    initial = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-    params = {}
-    for stage in ("ddp", *STAGES):
-        fabric = launched(world_size, DDPStrategy() if stage == "ddp" else zero_strategy(stage))
-        model = copy.deepcopy(initial)
-        wrapped, optimizers = set_up(fabric, model, "one", False)
+
+    def train(fabric: Fabric, wrapped: Any, optimizer: Optimizer, stage: Any) -> None:
         for step in range(STEPS):
             generator = torch.Generator().manual_seed(step + 10 * rank)
             first, second = torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator)
@@ -499,10 +507,12 @@ def two_forward_runs(rank: int, world_size: int) -> dict[str, Any]:
                 with contextlib.suppress(RuntimeError):
                     wrapped(torch.randn(4, 5))
             fabric.backward((wrapped(first) - wrapped(second)).square().mean())
-            optimizers[0].step()
-            optimizers[0].zero_grad()
-        params[stage] = full_params(fabric, model)
-    return {f"two_forwards/stage{stage}": relative(params["ddp"], params[stage]) for stage in STAGES}
+            optimizer.step()
+            optimizer.zero_grad()
+
+    torch.manual_seed(0)
+    initial = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    return against_ddp(world_size, initial, "two_forwards", train)
 
 
 def run_all(rank: int, world_size: int) -> dict[str, Any]:

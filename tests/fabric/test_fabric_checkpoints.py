@@ -169,6 +169,42 @@ def _load_raw(rank: int, world_size: int, stage: int, directory: str) -> dict[st
     return {**_states(fabric, model, optimizer), "files": files}
 
 
+def _two_optimizers(fabric: Fabric, seed: int, swapped: bool) -> tuple[Any, dict[str, Any]]:
+    """TinyLM with AdamW over its first layers and SGD over the rest, set up in that order or ``swapped``."""
+    torch.manual_seed(seed)
+    model = TinyLM()
+    first = [*model.emb.parameters(), *model.a.parameters(), *model.b.parameters()]
+    adamw = torch.optim.AdamW(first, lr=1e-2, weight_decay=0.05)
+    sgd = torch.optim.SGD([*model.c.parameters(), *model.head.parameters()], lr=0.1, momentum=0.9)
+    if swapped:
+        model, sgd, adamw = fabric.setup(model, sgd, adamw)
+    else:
+        model, adamw, sgd = fabric.setup(model, adamw, sgd)
+    return model, {"adamw": adamw, "sgd": sgd}
+
+
+def _optimizers_by_key(rank: int, world_size: int, stage: int, path: str) -> dict[str, Any]:
+    """Save a model with two optimizers under their keys, then load it where they were set up in the other order:
+    each optimizer's full state, saved and loaded, by key."""
+    fabric = _fabric(world_size, stage)
+    model, optimizers = _two_optimizers(fabric, seed=0, swapped=False)
+    for step in range(2):
+        tokens, targets = batch(seed=100 + step + rank)
+        fabric.backward(loss_fn(model, tokens, targets))
+        for optimizer in optimizers.values():
+            optimizer.step()
+            optimizer.zero_grad()
+    engine = fabric.strategy.session.engine
+    saved = {key: engine.full_optimizer_state_dict(o.optimizer) for key, o in optimizers.items()}
+    fabric.save(path, {"model": model, **optimizers})
+    fabric = _fabric(world_size, stage)
+    model, optimizers = _two_optimizers(fabric, seed=1, swapped=True)
+    fabric.load(path, {"model": model, **optimizers})
+    engine = fabric.strategy.session.engine
+    loaded = {key: engine.full_optimizer_state_dict(o.optimizer) for key, o in optimizers.items()}
+    return {"saved": saved, "loaded": loaded}
+
+
 def _memory(world_size: int) -> dict[str, Any]:
     fabric = _fabric(world_size, 2)
     torch.manual_seed(0)
@@ -260,6 +296,8 @@ def _first_two(rank: int, world_size: int, directory: str) -> dict[str, Any]:
             path = f"{directory}/s{stage}_{kind}" + (".ckpt" if kind == "full" else "")
             out[(stage, kind)] = _guarded(partial(_save_and_load, rank, world_size, stage, kind, path), rank)
     for stage in STAGES:
+        path = f"{directory}/by_key_{stage}"
+        out[("by_key", stage)] = _guarded(partial(_optimizers_by_key, rank, world_size, stage, path), rank)
         out[("raw", stage)] = _guarded(partial(_load_raw, rank, world_size, stage, directory), rank)
     out["run_2_stage3"] = _guarded(lambda: _resumable_run(rank, world_size, 3, f"{directory}/run_2_stage3"), rank)
     out["memory"] = _guarded(lambda: _memory(world_size), rank)
@@ -361,6 +399,19 @@ def test_load_raw_loads_a_plain_state_dict_file(runs: dict, stage: int) -> None:
         assert not _unequal(model_state, loaded["model"]), f"rank {rank}: {_unequal(model_state, loaded['model'])}"
         assert not _unequal(optimizer_state["state"], loaded["optimizer"]["state"]), f"rank {rank}"
         assert optimizer_state["state"][0]["step"] == 1
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_optimizers_set_up_in_another_order_load_by_their_keys(runs: dict, stage: int) -> None:
+    """Fabric's DDP loads each optimizer by its key in the state; a sharded checkpoint loaded where the optimizers
+    were set up in the other order refused ("configure_optimizers() here gives ...", found in a user's trial)."""
+    for rank, result in enumerate(runs["first"]):
+        result = _ok(result[("by_key", stage)])
+        for key in ("adamw", "sgd"):
+            saved, loaded = result["saved"][key], result["loaded"][key]
+            assert not _unequal(saved["state"], loaded["state"]), f"rank {rank}, {key}"
+            assert [g["lr"] for g in saved["param_groups"]] == [g["lr"] for g in loaded["param_groups"]]
+        assert "momentum_buffer" in next(iter(result["loaded"]["sgd"]["state"].values()))
 
 
 @pytest.mark.parametrize("kind", ["sharded", "full"])

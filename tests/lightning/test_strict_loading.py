@@ -34,6 +34,7 @@ SCENARIOS: dict[str, tuple[dict[str, Any], str]] = {
     "wider": ({"hidden": 17, "strict": False}, "validate"),
     "extra_frozen_fit": ({"extra": "frozen", "strict": False}, "fit"),
     "extra_trained_fit": ({"extra": "trained", "strict": False}, "fit"),
+    "sgd_fit": ({"sgd": True}, "fit"),  # the checkpoint holds AdamW's state
 }
 
 
@@ -41,8 +42,11 @@ class Variant(TwoLayer):
     """TwoLayer, optionally with an ``extra`` Linear after it (trained or frozen), without ``b.bias``, or wider; its
     optimizer holds the trainable parameters only."""
 
-    def __init__(self, extra: str | None = None, bias: bool = True, hidden: int = 16, strict: bool = True) -> None:
+    def __init__(
+        self, extra: str | None = None, bias: bool = True, hidden: int = 16, strict: bool = True, sgd: bool = False
+    ) -> None:
         super().__init__(hidden=hidden)
+        self.sgd = sgd
         if not bias:
             self.b = nn.Linear(hidden, 3, bias=False)
         self.extra = None
@@ -60,7 +64,10 @@ class Variant(TwoLayer):
         self.log("val_loss", self.training_step(batch, batch_idx), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr, weight_decay=0.01)
+        trained = [p for p in self.parameters() if p.requires_grad]
+        if self.sgd:
+            return torch.optim.SGD(trained, lr=self.lr, momentum=0.9)
+        return torch.optim.AdamW(trained, lr=self.lr, weight_decay=0.01)
 
 
 def _held_state(trainer: Any, model: nn.Module) -> dict[str, Tensor]:
@@ -98,6 +105,8 @@ def _cases(rank: int, world_size: int, directory: str) -> dict[Any, Any]:
             results[strategy, "saved"] = _held_state(trainer, saved)
             for name, (kwargs, run) in SCENARIOS.items():
                 results[strategy, name] = _scenario(world_size, strategy, path, kwargs, run)
+        ddp_file = str(Path(directory) / "ddp.ckpt")  # a full file: the other loading path
+        results[3, "sgd_fit_from_full"] = _scenario(world_size, 3, ddp_file, {"sgd": True}, "fit")
     except Exception:
         results["error"] = f"rank {rank}:\n{traceback.format_exc()}"
     return results
@@ -176,3 +185,16 @@ def test_fit_with_a_new_trained_parameter_raises_like_ddp(ranks: list[dict], str
         assert "was saved with optimizers whose param groups hold" in error, f"rank {rank}: {error}"
         assert "strict_loading=False skips missing and unexpected tensors of the model only" in error, error
     assert ranks[0][strategy, "extra_trained_fit"] == ranks[1][strategy, "extra_trained_fit"]
+
+
+@pytest.mark.parametrize("case", [(1, "sgd_fit"), (3, "sgd_fit"), (3, "sgd_fit_from_full")])
+def test_resuming_another_optimizer_type_raises_naming_both(ranks: list[dict], case: tuple[int, str]) -> None:
+    """AdamW's checkpoint resumed with SGD: DDP fails (``KeyError: 'momentum'``); ZeRO trained on with SGD's groups
+    merged with AdamW's hyper-parameters (its weight decay) and momentum restarted from zero, silently (found in a
+    user's trial). Now a clear error on every rank, from the sharded directory and from a full file."""
+    for rank, results in enumerate(ranks):
+        assert "error" in results["ddp", "sgd_fit"], f"rank {rank}: DDP resumed AdamW's state into SGD"
+        error = results[case].get("error", "")
+        for part in ("another optimizer type", "SGD", "'betas'", "'momentum'"):
+            assert part in error, f"rank {rank}: {part!r} not in {error}"
+    assert ranks[0][case] == ranks[1][case]
