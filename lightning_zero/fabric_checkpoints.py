@@ -33,6 +33,8 @@ from lightning_zero.session import FABRIC_KEYS, SHARDED_KEY, ZeroSession
 _OWN_KEYS = ("state_dict", "optimizer_states", SHARDED_KEY, FABRIC_KEYS)
 # Written by fabric.save only for a Trainer that resumes the checkpoint: not handed back to Fabric either.
 _VERSION_KEY = "pytorch-lightning_version"
+# The precision's state (the fp16 loss scale), under the key the Trainer saves ZeroPrecision's: its class's name.
+PRECISION_KEY = "ZeroPrecision"
 
 
 def sharded_checkpoint(session: ZeroSession, module: nn.Module | None, state: Mapping[str, Any]) -> dict[str, Any]:
@@ -55,14 +57,17 @@ def sharded_checkpoint(session: ZeroSession, module: nn.Module | None, state: Ma
     return checkpoint
 
 
-def load_sharded(session: ZeroSession, path: str | os.PathLike, state: dict[str, Any], strict: bool) -> dict[str, Any]:
-    """``fabric.load(path, state)`` of a sharded directory (a Fabric's or a Trainer's): the module and the optimizers
-    of ``state`` from the shards, its other entries from the extra state; returns what ``state`` did not ask for."""
+def load_sharded(
+    session: ZeroSession, path: str | os.PathLike, state: dict[str, Any], strict: bool, module: nn.Module | None
+) -> dict[str, Any]:
+    """``fabric.load(path, state)`` of a sharded directory (a Fabric's or a Trainer's): the sharded ``module`` and
+    the optimizers of ``state`` from the shards, its other entries (other modules too) from the extra state; returns
+    what ``state`` did not ask for."""
     checkpoint = session.open_sharded(path)
     if not state:
         return _as_saved(full_checkpoint(checkpoint[SHARDED_KEY]))
     own = (*_OWN_KEYS, _VERSION_KEY) if FABRIC_KEYS in checkpoint else _OWN_KEYS
-    modules = [key for key, obj in state.items() if isinstance(obj, nn.Module)]
+    modules = [key for key, obj in state.items() if isinstance(obj, nn.Module) and _is_sharded(obj, module)]
     optimizers = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
     held = set(checkpoint) - set(own) | set(modules) | set(optimizers)
     _validate_keys_for_strict_loading(state.keys(), held, strict=strict)
@@ -80,9 +85,12 @@ def load_sharded(session: ZeroSession, path: str | os.PathLike, state: dict[str,
     return {k: v for k, v in checkpoint.items() if k not in own}
 
 
-def load_full(session: ZeroSession, checkpoint: dict[str, Any], state: dict[str, Any], strict: bool) -> dict[str, Any]:
+def load_full(
+    session: ZeroSession, checkpoint: dict[str, Any], state: dict[str, Any], strict: bool, module: nn.Module | None
+) -> dict[str, Any]:
     """``fabric.load(path, state)`` of one ordinary file (``checkpoint``, read on every rank): full state dicts into
-    the module (collective) and the managed optimizers' shards; returns what ``state`` did not ask for."""
+    the sharded ``module`` (collective), other modules and the managed optimizers' shards; returns what ``state``
+    did not ask for."""
     if not state:
         return checkpoint
     _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict=strict)
@@ -90,8 +98,10 @@ def load_full(session: ZeroSession, checkpoint: dict[str, Any], state: dict[str,
         if key not in checkpoint:
             continue
         saved = checkpoint.pop(key)
-        if isinstance(obj, nn.Module):
+        if isinstance(obj, nn.Module) and _is_sharded(obj, module):
             session.load_module_state_dict(obj, {"state_dict": saved}, strict)
+        elif isinstance(obj, nn.Module):
+            obj.load_state_dict(saved, strict=strict)
         elif isinstance(obj, Optimizer) and session.sharded and session.engine.model.manages(obj):
             session.engine.load_full_optimizer_state_dict(obj, saved)
         elif isinstance(obj, _Stateful):
@@ -113,6 +123,11 @@ def _in_saved_order(
         return engine_optimizers
     ordered = [state[key] for key in saved]
     return ordered if {id(o) for o in ordered} == {id(o) for o in engine_optimizers} else engine_optimizers
+
+
+def _is_sharded(obj: nn.Module, module: nn.Module | None) -> bool:
+    """``obj`` is the model the strategy shards (before setup, any module is taken for it)."""
+    return module is None or obj is module
 
 
 def _as_saved(checkpoint: dict[str, Any]) -> dict[str, Any]:

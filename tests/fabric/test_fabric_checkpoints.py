@@ -22,7 +22,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import Tensor, nn
 
-from lightning_zero import ZeroFabricStrategy, ZeroStrategy
+from lightning_zero import ZeroFabricPrecision, ZeroFabricStrategy, ZeroStrategy
 from lightning_zero.core.named_state import PARAM_NAMES_KEY
 from lightning_zero.precision import unwrap_optimizer
 from tests.distributed.models import TinyLM, batch, loss_fn
@@ -205,6 +205,54 @@ def _optimizers_by_key(rank: int, world_size: int, stage: int, path: str) -> dic
     return {"saved": saved, "loaded": loaded}
 
 
+def _second_module(rank: int, world_size: int, stage: int, kind: str, path: str) -> dict[str, Any]:
+    """The sharded model and a plain copy of it (an EMA) in one state: saved, then loaded into a fresh run. Returns
+    both as saved and as loaded (full)."""
+    fabric = _fabric(world_size, stage, kind)
+    model, optimizer, scheduler = _setup(fabric, seed=0)
+    ema = TinyLM()
+    with torch.no_grad():
+        for index, param in enumerate(ema.parameters()):
+            param.fill_(index + 0.5)  # unlike any model's values
+    _step(fabric, model, optimizer, scheduler, 0, rank, world_size)
+    with fabric.strategy.gathered_params():
+        saved = {"model": state_of(model.module), "ema": state_of(ema)}
+    fabric.save(path, {"model": model, "optimizer": optimizer, "ema": ema})
+    fabric = _fabric(world_size, stage, kind)
+    model, optimizer, _ = _setup(fabric, seed=1)
+    fresh = TinyLM()
+    remainder = fabric.load(path, {"model": model, "optimizer": optimizer, "ema": fresh})
+    with fabric.strategy.gathered_params():
+        loaded = {"model": state_of(model.module), "ema": state_of(fresh)}
+    return {"saved": saved, "loaded": loaded, "remainder": sorted(remainder)}
+
+
+def _fp16_fabric(world_size: int, kind: str) -> tuple[Fabric, Any, Any]:
+    plugin = ZeroFabricPrecision("16-mixed", init_scale=2.0**24)
+    strategy = ZeroFabricStrategy(stage=2, state_dict_type=kind)
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return fabric, model, optimizer
+
+
+def _fp16_scale(rank: int, world_size: int, kind: str, path: str) -> dict[str, Any]:
+    """16-mixed from a loss scale that overflows (steps skipped, the scale backs off): the scaler's state when saved,
+    and after a fresh run loads the checkpoint."""
+    fabric, model, optimizer = _fp16_fabric(world_size, kind)
+    for _ in range(3):
+        fabric.backward(model(torch.full((4, 8), 100.0)).square().sum())
+        optimizer.step()
+        optimizer.zero_grad()
+    saved = fabric.strategy.precision.scaler.state_dict()
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    fabric, model, optimizer = _fp16_fabric(world_size, kind)
+    remainder = fabric.load(path, {"model": model, "optimizer": optimizer})
+    return {"saved": saved, "loaded": fabric.strategy.precision.scaler.state_dict(), "remainder": sorted(remainder)}
+
+
 def _memory(world_size: int) -> dict[str, Any]:
     fabric = _fabric(world_size, 2)
     torch.manual_seed(0)
@@ -295,6 +343,11 @@ def _first_two(rank: int, world_size: int, directory: str) -> dict[str, Any]:
         for kind in ("sharded", "full"):
             path = f"{directory}/s{stage}_{kind}" + (".ckpt" if kind == "full" else "")
             out[(stage, kind)] = _guarded(partial(_save_and_load, rank, world_size, stage, kind, path), rank)
+    for kind in ("sharded", "full"):
+        out[("fp16", kind)] = _guarded(partial(_fp16_scale, rank, world_size, kind, f"{directory}/fp16_{kind}"), rank)
+        for stage in (1, 3):
+            path = f"{directory}/second_{kind}_{stage}"
+            out[("second", kind, stage)] = _guarded(partial(_second_module, rank, world_size, stage, kind, path), rank)
     for stage in STAGES:
         path = f"{directory}/by_key_{stage}"
         out[("by_key", stage)] = _guarded(partial(_optimizers_by_key, rank, world_size, stage, path), rank)
@@ -412,6 +465,32 @@ def test_optimizers_set_up_in_another_order_load_by_their_keys(runs: dict, stage
             assert not _unequal(saved["state"], loaded["state"]), f"rank {rank}, {key}"
             assert [g["lr"] for g in saved["param_groups"]] == [g["lr"] for g in loaded["param_groups"]]
         assert "momentum_buffer" in next(iter(result["loaded"]["sgd"]["state"].values()))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_a_second_plain_module_in_the_state_saves_and_loads_as_itself(runs: dict, kind: str, stage: int) -> None:
+    """An EMA copy next to the sharded model in ``fabric.save``'s state: each loads as itself, as under Fabric's DDP
+    (the full file held the sharded model's weights under "ema", and a sharded load returned the EMA's entry
+    unloaded: found in a user's trial)."""
+    for rank, result in enumerate(runs["first"]):
+        result = _ok(result[("second", kind, stage)])
+        assert not _unequal(result["saved"], result["loaded"]), (
+            f"rank {rank}: {_unequal(result['saved'], result['loaded'])}"
+        )
+        assert "ema" not in result["remainder"]
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_the_fp16_loss_scale_resumes(runs: dict, kind: str) -> None:
+    """``fabric.save`` keeps the loss scaler's state (scale, skipped steps) and ``fabric.load`` restores it, under the
+    key the Trainer uses (Fabric saves no precision state: the scale went back to its initial value, and the resumed
+    run differed from the uninterrupted one; found in a user's trial)."""
+    for rank, result in enumerate(runs["first"]):
+        result = _ok(result[("fp16", kind)])
+        assert result["saved"]["scale"] < 2.0**24, result["saved"]  # the run did back off
+        assert result["loaded"] == result["saved"], f"rank {rank}"
+        assert result["remainder"] == []
 
 
 @pytest.mark.parametrize("kind", ["sharded", "full"])
