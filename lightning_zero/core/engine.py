@@ -53,6 +53,7 @@ from lightning_zero.core.layout.resting import clone_gathered_in_state_dicts
 from lightning_zero.core.memory import MemoryReport
 from lightning_zero.core.mixed_precision import DynamicLossScaler, PrecisionPolicy
 from lightning_zero.core.named_state import NamedState
+from lightning_zero.core.norm_inputs import cast_fp32_norm_inputs
 from lightning_zero.core.options import EngineOptions
 from lightning_zero.core.packing import Packer
 from lightning_zero.core.shards import BufferGroup, ShardedModel
@@ -147,6 +148,7 @@ class ZeroEngine:
             self.owners,
         )
         self._state_dict_hooks = []  # stage 3: state_dict() in gathered() copies
+        self._norm_input_hooks = cast_fp32_norm_inputs(module, self.policy.param_dtype)  # see its note
         if options.stage == 3:
             trained = module.parameters() if optimizers_later else setup.optimized(self.optimizers)
             units, groups = self.packer.units(options.wrap_policy, {id(p) for p in trained if p.requires_grad})
@@ -304,7 +306,7 @@ class ZeroEngine:
         for step in self.model.steps:
             step.uninstall()
         uninstall_module_zero_grad(self.module)
-        for handle in self._state_dict_hooks:
+        for handle in [*self._state_dict_hooks, *self._norm_input_hooks]:
             handle.remove()
         self.backward.remove_hooks()
         self.model.release()
