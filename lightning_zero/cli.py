@@ -238,6 +238,7 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> None:
+    _import_from_the_working_directory()  # --config's class paths, as --model's
     from_config = apply_trainer_settings(args)
     try:
         group = shard_group_size(args.shard_size, args.world_size)
@@ -400,14 +401,19 @@ def _build_on_meta(class_path: str, init_args: dict[str, Any]) -> nn.Module:
     return model
 
 
+def _import_from_the_working_directory() -> None:
+    """A console script's sys.path starts at its own directory; models (and a config's classes, e.g. a
+    ``wrap_policy``'s blocks) usually live in the working one, as for ``python train.py``."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def _import_class(class_path: str) -> Any:
     """``package.module:Class`` or ``package.module.Class``, importable from the working directory."""
     module_name, sep, name = class_path.partition(":") if ":" in class_path else class_path.rpartition(".")
     if not module_name or not name or not sep:
         raise SystemExit(f"lightning-zero estimate: --model {class_path!r} is not of the form package.module:Class.")
-    # A console script's sys.path starts at its own directory; models usually live in the working one.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    _import_from_the_working_directory()
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:

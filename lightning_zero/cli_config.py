@@ -8,6 +8,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from jsonargparse import ArgumentError, ArgumentParser
+
 from lightning_zero.config import PRESETS
 from lightning_zero.estimate import PRECISIONS
 
@@ -130,6 +132,14 @@ def _check_init_args(options: dict[str, Any]) -> None:
     as_read = {name: "cpu" if v is True and name.startswith("offload") else v for name, v in options.items()}
     as_read["nvme_path"] = "/"  # the estimate needs no swap directory
     try:
-        ZeroStrategy(**as_read)
-    except (ValueError, TypeError) as error:
+        ZeroStrategy(**_as_lightning_cli_types(ZeroStrategy, as_read))
+    except (ValueError, TypeError, ArgumentError) as error:
         raise SystemExit(f"lightning-zero estimate: --config's ZeroStrategy refuses its options: {error}") from None
+
+
+def _as_lightning_cli_types(cls: type, init_args: dict[str, Any]) -> dict[str, Any]:
+    """``init_args`` converted to the types of ``cls``'s signature, as LightningCLI's jsonargparse converts them
+    (``timeout: "0:05:00"`` becomes a ``timedelta``)."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, "init")
+    return parser.parse_object({"init": init_args}).init.as_dict()

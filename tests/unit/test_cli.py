@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,23 @@ def test_estimate_refuses_what_the_strategy_refuses(
         argv += ["--config", str(path)]
     with pytest.raises(SystemExit, match=match):
         main(argv)
+
+
+def test_estimate_takes_the_config_values_lightning_cli_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``timeout`` as LightningCLI writes it (a string it makes a timedelta of) and a ``wrap_policy`` class from
+    the working directory: ``fit`` accepts both, so the estimate does (it refused both: found in a user's trial)."""
+    (tmp_path / "my_blocks.py").write_text("from torch import nn\n\n\nclass Block(nn.Linear):\n    pass\n")
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "model: {}\ntrainer:\n  devices: 2\n  strategy:\n    class_path: lightning_zero.ZeroStrategy\n"
+        "    init_args: {stage: 3, timeout: '0:05:00', wrap_policy: [my_blocks.Block]}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in (str(tmp_path), "")])  # as a console script
+    assert main(["estimate", "--model", GPT, "--config", str(config)]) == 0
+    assert "wrap_policy=['my_blocks.Block']" in capsys.readouterr().out
 
 
 def test_a_config_that_is_not_yaml_exits_with_a_message(tmp_path: Path) -> None:
