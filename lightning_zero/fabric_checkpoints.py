@@ -67,7 +67,7 @@ def load_sharded(
     if not state:
         return _as_saved(full_checkpoint(checkpoint[SHARDED_KEY]))
     own = (*_OWN_KEYS, _VERSION_KEY) if FABRIC_KEYS in checkpoint else _OWN_KEYS
-    modules = [key for key, obj in state.items() if isinstance(obj, nn.Module) and _is_sharded(obj, module)]
+    modules = [key for key, obj in state.items() if isinstance(obj, nn.Module) and is_sharded(obj, module)]
     optimizers = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
     held = set(checkpoint) - set(own) | set(modules) | set(optimizers)
     _validate_keys_for_strict_loading(state.keys(), held, strict=strict)
@@ -98,7 +98,7 @@ def load_full(
         if key not in checkpoint:
             continue
         saved = checkpoint.pop(key)
-        if isinstance(obj, nn.Module) and _is_sharded(obj, module):
+        if isinstance(obj, nn.Module) and is_sharded(obj, module):
             session.load_module_state_dict(obj, {"state_dict": saved}, strict)
         elif isinstance(obj, nn.Module):
             obj.load_state_dict(saved, strict=strict)
@@ -114,20 +114,34 @@ def load_full(
 def _in_saved_order(
     session: ZeroSession, checkpoint: dict[str, Any], state: dict[str, Any], keys: list[str]
 ) -> list[Optimizer]:
-    """The engine's optimizers in the checkpoint's order, matched by their keys in ``state`` (as Fabric's DDP loads
-    each optimizer by its key): a run that sets its optimizers up in another order resumes them right. Where the
-    keys do not name them all (a Trainer's checkpoint, other keys), the engine's order."""
+    """The optimizers of ``state`` in the checkpoint's order, by their keys (as Fabric's DDP loads each optimizer by
+    its key): a run that sets them up in another order resumes them right. Where the keys differ from the saved ones
+    (a Trainer's checkpoint), the engine's order (``session.load_optimizer_states`` keeps it too where the list is
+    not the engine's optimizers)."""
     saved = (checkpoint.get(FABRIC_KEYS) or {}).get("by_engine")
-    engine_optimizers = session.engine.optimizers
-    if saved is None or sorted(map(str, saved)) != sorted(keys) or len(keys) != len(engine_optimizers):
-        return engine_optimizers
-    ordered = [state[key] for key in saved]
-    return ordered if {id(o) for o in ordered} == {id(o) for o in engine_optimizers} else engine_optimizers
+    if saved is None or sorted(map(str, saved)) != sorted(keys):
+        return session.engine.optimizers
+    return [state[key] for key in saved]
 
 
-def _is_sharded(obj: nn.Module, module: nn.Module | None) -> bool:
-    """``obj`` is the model the strategy shards (before setup, any module is taken for it)."""
+def is_sharded(obj: nn.Module, module: nn.Module | None) -> bool:
+    """``obj`` is the model the strategy shards (before setup, any module is taken for it); another module in a
+    checkpoint's state (an EMA copy, a teacher) is an ordinary one, saved and loaded whole as Fabric's DDP does."""
     return module is None or obj is module
+
+
+def with_precision(state: dict[str, Any], precision: Any) -> dict[str, Any]:
+    """``state`` and, with a loss scale, the precision under the key the Trainer saves it under, so a resume goes on
+    with the same scale (Fabric saves no precision state of its own)."""
+    return {**state, PRECISION_KEY: precision} if precision.state_dict() else state
+
+
+def restore_precision(remainder: dict[str, Any], precision: Any) -> dict[str, Any]:
+    """What a load returns, less the precision's state, which goes back into ``precision``."""
+    saved = remainder.pop(PRECISION_KEY, None)
+    if saved is not None:
+        precision.load_state_dict(saved)
+    return remainder
 
 
 def _as_saved(checkpoint: dict[str, Any]) -> dict[str, Any]:

@@ -34,7 +34,6 @@ from lightning_zero.checkpoint import remove_sharded
 from lightning_zero.core.engine import ZeroEngine, release_previous_engine
 from lightning_zero.core.options import OffloadTarget
 from lightning_zero.core.stage3.meta_init import recording_creators
-from lightning_zero.fabric_checkpoints import PRECISION_KEY
 from lightning_zero.fabric_precision import ZeroFabricPrecision
 from lightning_zero.front_door import ZeroFrontDoor
 from lightning_zero.session import ZeroSession, move_materialized
@@ -284,32 +283,16 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
     # ------------------------------------------------------------------ checkpoints (see [Note: Fabric checkpoints])
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        if not self._shards(module):
+        if not fabric_checkpoints.is_sharded(module, self._module):
             return module.state_dict()
         return self.session.module_state_dict(module, keep=self.is_global_zero)
 
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        if not self._shards(module):
+        if not fabric_checkpoints.is_sharded(module, self._module):
             module.load_state_dict(state_dict, strict=strict)
             return
         self.session.load_module_state_dict(module, {"state_dict": state_dict}, strict)
-
-    def _shards(self, module: nn.Module) -> bool:
-        """``module`` is the model this strategy shards; another in a checkpoint's state (an EMA copy, a teacher)
-        is an ordinary module, saved and loaded as Fabric's DDP does."""
-        return self._module is None or module is self._module
-
-    def _with_precision(self, state: dict[str, Any]) -> dict[str, Any]:
-        """``state`` and, with a loss scale, the precision's state under the key the Trainer saves it under, so a
-        resume continues with the same scale (Fabric saves no precision state of its own)."""
-        return {**state, PRECISION_KEY: self.precision} if self.precision.state_dict() else state
-
-    def _restore_precision(self, remainder: dict[str, Any]) -> dict[str, Any]:
-        saved = remainder.pop(PRECISION_KEY, None)
-        if saved is not None:
-            self.precision.load_state_dict(saved)
-        return remainder
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -323,7 +306,7 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        state = self._with_precision(state)
+        state = fabric_checkpoints.with_precision(state, self.precision)
         if not self.session.sharded_checkpoints:
             super().save_checkpoint(path, state, storage_options, filter)
             return
@@ -346,13 +329,13 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
             state = {key: state}
         if os.path.isdir(path):
             remainder = fabric_checkpoints.load_sharded(self.session, path, state or {}, strict, self._module)
-            return self._restore_precision(remainder) if state else remainder
+            return fabric_checkpoints.restore_precision(remainder, self.precision) if state else remainder
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         if raw:
             fabric_checkpoints.load_full(self.session, {key: checkpoint}, state, strict, self._module)
             return {}
         remainder = fabric_checkpoints.load_full(self.session, checkpoint, state or {}, strict, self._module)
-        return self._restore_precision(remainder) if state else remainder
+        return fabric_checkpoints.restore_precision(remainder, self.precision) if state else remainder
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Rank 0 removes a sharded checkpoint directory (or a link to one)."""

@@ -7,7 +7,6 @@ from collections.abc import Iterable
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.wrappers import _FabricModule, _unwrap_objects
-from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -56,23 +55,16 @@ def grad_norm(
         optimizer = _unwrap_objects(optimizer)
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         named = [(name, param) for name, param in named if id(param) in stepped]
-    if not isinstance(strategy, ZeroStrategy | ZeroFabricStrategy):
-        if optimizer is None and not isinstance(module, _FabricModule):
-            return lightning_grad_norm(module, norm_type, group_separator)
-        norm_type = float(norm_type)
-        return _named_norms(
-            named,
-            {id(p): p.grad.detach().norm(norm_type) for _, p in named if p.grad is not None},
-            norm_type,
-            group_separator,
-        )
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
-    fabric = isinstance(strategy, ZeroFabricStrategy)
     by_param: dict[int, Tensor] = {}
-    for step in _steps_about_to_step(strategy.session.engine, optimizer, fabric):
-        by_param.update(step.grad_norms(norm_type))
+    if isinstance(strategy, ZeroStrategy | ZeroFabricStrategy):
+        fabric = isinstance(strategy, ZeroFabricStrategy)
+        for step in _steps_about_to_step(strategy.session.engine, optimizer, fabric):
+            by_param.update(step.grad_norms(norm_type))
+    else:  # the parameters hold their gradients: Lightning's grad_norm reads them so
+        by_param = {id(p): p.grad.detach().norm(norm_type) for _, p in named if p.grad is not None}
     return _named_norms(named, by_param, norm_type, group_separator)
 
 

@@ -420,6 +420,12 @@ def retained_runs(rank: int, world_size: int) -> dict[str, Any]:
     return {f"retained/stage{stage}": relative(params["ddp"], params[stage]) for stage in STAGES}
 
 
+def small_mlp(outputs: int) -> nn.Module:
+    """8 inputs, two hidden layers of 16, seeded."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, outputs))
+
+
 def against_ddp(
     world_size: int, initial: nn.Module, name: str, train: Callable[[Fabric, Any, Optimizer, Any], None]
 ) -> dict[str, float]:
@@ -451,9 +457,7 @@ def penalty_runs(rank: int, world_size: int) -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
 
-    torch.manual_seed(0)
-    initial = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
-    return against_ddp(world_size, initial, "penalty", train)
+    return against_ddp(world_size, small_mlp(outputs=1), "penalty", train)
 
 
 def grad_norm_runs(rank: int, world_size: int) -> dict[str, Any]:
@@ -510,9 +514,7 @@ def two_forward_runs(rank: int, world_size: int) -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
 
-    torch.manual_seed(0)
-    initial = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-    return against_ddp(world_size, initial, "two_forwards", train)
+    return against_ddp(world_size, small_mlp(outputs=4), "two_forwards", train)
 
 
 def run_all(rank: int, world_size: int) -> dict[str, Any]:
