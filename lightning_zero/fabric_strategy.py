@@ -94,8 +94,7 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
         self._backward_sync_control = _ZeroBackwardSyncControl(self.session)
         self._module: nn.Module | None = None
         self._steps = 0  # optimizer steps taken, for the loss weighting's messages
-        self._forward_awaits_backward = False  # a training forward ran since the last backward (or step)
-        self._forward_running = False  # a training forward began and has not returned (it raised, if another begins)
+        self._iterations = _IterationStarts(self.session)
 
     # ------------------------------------------------------------------ topology (see front_door.py)
     @property
@@ -212,37 +211,22 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
         self._module = module  # only once sharded: a setup refused before anything changed can be retried
         precision.attach(self.session.engine_or_none)
         # First, before the root unit's own hook gathers it: a new iteration frees every unit (see Stage3Scheduler).
-        module.register_forward_pre_hook(self._before_forward, prepend=True)
-        module.register_forward_hook(self._after_forward)
-
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        """The first training forward after a backward (or a step) begins an iteration (collective), as the Trainer's
-        ``training_step`` does; forwards under ``torch.no_grad()`` or in ``eval()`` mode do not, as DDP's. Nor does
-        a second forward before the backward (a siamese or contrastive loss over two calls of the model: beginning
-        an iteration there freed the units the first forward's graph needs), unless the one before it raised."""
-        if module.training and torch.is_grad_enabled():
-            new_iteration = not self._forward_awaits_backward or self._forward_running
-            self._forward_running = True
-            self.session.begin_training_forward(new_iteration=new_iteration)
-
-    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._forward_running:
-            self._forward_running = False
-            self._forward_awaits_backward = True
+        module.register_forward_pre_hook(self._iterations.before_forward, prepend=True)
+        module.register_forward_hook(self._iterations.after_forward)
 
     # ------------------------------------------------------------------ backward and step
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         # fabric.backward(loss_sum, loss_weight=n): the weight goes to the engine, not to torch's backward.
         weight = kwargs.pop(loss_weighting.WEIGHT_KEY, None)
-        self._forward_awaits_backward = False
+        self._iterations.end()
         self.session.take_manual_backward(tensor, weight, self._steps, call="fabric.backward")
         super().backward(tensor, module, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         self._steps += 1
-        self._forward_awaits_backward = False
+        self._iterations.end()
         return super().optimizer_step(optimizer, **kwargs)
 
     @override
@@ -348,6 +332,33 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
         # The engine stays (without hooks): memory_report(), fabric.save() and gathered_params() work afterwards.
         self.session.remove_hooks()
         super().teardown()
+
+
+class _IterationStarts:
+    """Which forwards of the set-up module begin a training iteration (collective; the Trainer begins one per
+    ``training_step``): the first training forward after a backward or a step. Not forwards under
+    ``torch.no_grad()`` or in ``eval()`` mode, as DDP's; nor a second forward before the backward (a siamese or
+    contrastive loss over two calls of the model: beginning an iteration there freed the units the first forward's
+    graph needs), unless the forward before it raised."""
+
+    def __init__(self, session: ZeroSession) -> None:
+        self.session = session
+        self.awaits_backward = False  # a training forward ran since the last backward (or step)
+        self.running = False  # a training forward began and has not returned (it raised, if another begins)
+
+    def before_forward(self, module: nn.Module, args: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            new_iteration = not self.awaits_backward or self.running
+            self.running = True
+            self.session.begin_training_forward(new_iteration=new_iteration)
+
+    def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.running:
+            self.running, self.awaits_backward = False, True
+
+    def end(self) -> None:
+        """A backward or an optimizer step: the next training forward begins an iteration."""
+        self.awaits_backward = False
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
