@@ -1,5 +1,6 @@
 """Stage 3 with activation checkpointing around blocks whose layers are gather units: the gathered bytes at the step's
-peak, from the engine's ledger (exact, not RSS), with and without checkpointing.
+peak, from the engine's ledger (exact, not RSS), without checkpointing, with torch's non-reentrant checkpoint (as
+``activation_checkpointing`` applies it) and with a reentrant one (as Hugging Face's gradient checkpointing calls it).
 
 Run on demand, from the repository root::
 
@@ -14,6 +15,7 @@ unit and the whole model, in MiB. A recompute that held its units to the end of 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from zero_bench.launch import on_ranks  # importing zero_bench puts the repository root on sys.path
 
@@ -33,11 +36,15 @@ from lightning_zero.core.stage3.activation_checkpointing import apply_activation
 MIB = 2**20
 
 
-def measure(rank: int, world_size: int, args: argparse.Namespace, checkpoint: bool) -> dict[str, Any]:
+def measure(rank: int, world_size: int, args: argparse.Namespace, checkpoint: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=4, block_size=64))
-    if checkpoint:
+    if checkpoint == "non-reentrant":
         apply_activation_checkpointing(model, {Block})
+    elif checkpoint == "reentrant":
+        for block in model.modules():
+            if isinstance(block, Block):
+                block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine = ZeroEngine(model, [optimizer], EngineOptions(stage=3, wrap_policy={nn.Linear}), Communicator())
     for step in range(3):
@@ -67,10 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     args.world_size, args.threads, args.device = 2, 1, "cpu"
     print("| activation checkpointing | gathered at the step peak | step peak | largest unit | whole model |")
     print("|---|---:|---:|---:|---:|")
-    for checkpoint in (False, True):
+    for checkpoint in ("off", "non-reentrant", "reentrant"):
         result = on_ranks(measure, args, checkpoint)[0]
         print(
-            f"| {'on' if checkpoint else 'off'} | {result['gathered']:.2f} | {result['peak']:.2f} | "
+            f"| {checkpoint} | {result['gathered']:.2f} | {result['peak']:.2f} | "
             f"{result['largest_unit']:.2f} | {result['model']:.2f} |"
         )
 

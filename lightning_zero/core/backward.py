@@ -7,7 +7,7 @@ changes after setup]); the scheduler is the stage's (a do-nothing one at stages 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -17,6 +17,7 @@ from lightning_zero.core.comm import Communicator
 from lightning_zero.core.comm.hyperparams import HyperparameterAgreement
 from lightning_zero.core.shards import ShardedModel
 from lightning_zero.core.stage3.reachability import reached_leaves
+from lightning_zero.core.stage3.reentrant import in_reentrant_backward
 from lightning_zero.core.stage3.units import GatherUnit
 from lightning_zero.core.step.buckets import BucketState, GradBucket
 from lightning_zero.core.step.optimizer_step import LossScaling
@@ -50,7 +51,7 @@ class BackwardPass:
             comm,
             overlap_comm,
             reduce_every_backward=stage >= 2,
-            on_backward_event=self._queue_end_of_backward,
+            on_backward_event=self._on_gradient,
             on_bucket_ready=self._on_bucket_ready if stage == 3 else None,
             rider=self.hyperparameters,
         )
@@ -58,7 +59,8 @@ class BackwardPass:
         self._ended = False  # the end of backward ran from autograd; finish() consumes it
         self._roots: list[object] = []  # the grad_fn of the loss given to scale_loss, until backward ends
         self._retain = False  # the announced backward keeps its graph (see [Note: a retained graph])
-        self._reached: set[int] | None = None  # leaves its graph reaches, once asked (see _passed_over)
+        self._reached: Container[int] | None = None  # leaves its graph reaches, once asked (see _passed_over)
+        self._task_seen, self._task_nested = -1, False  # the graph task of the last gradient hook; a nested one
 
     def add_buckets(self, buckets: Sequence[GradBucket]) -> None:
         self.reducer.add_buckets(buckets)
@@ -125,8 +127,14 @@ class BackwardPass:
             return
         self._run_end()
 
-    def _queue_end_of_backward(self) -> None:
-        if not self._end_queued:
+    def _on_gradient(self) -> None:
+        """A gradient hook ran: queue the end of backward on the graph task running, unless it is a reentrant
+        checkpoint's, which ends before the backward does (then the outer task's next hook, or :meth:`finish`, runs
+        the end: see [Note: reentrant activation checkpointing at stage 3])."""
+        task = torch._C._current_graph_task_id()
+        if task != self._task_seen:
+            self._task_seen, self._task_nested = task, in_reentrant_backward()
+        if not (self._end_queued or self._task_nested):
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._end_queued = True
 

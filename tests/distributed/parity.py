@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -31,7 +32,7 @@ class Case:
     clip_value: float | None = None
     unused_on_rank1: bool = False
     zero_grad_every: int = 1  # optimizer steps between zero_grad calls (torch accumulates in between)
-    checkpoint: bool = False  # activation checkpointing of every Linear and Block (ZeRO runs only)
+    checkpoint: bool | str = False  # activation checkpointing of every Linear and Block (ZeRO runs only); "reentrant"
 
 
 CASES = {
@@ -51,6 +52,7 @@ CASES = {
     "nested_units": Case(model_kwargs={"nested": True}),
     "unit_used_twice": Case(model_kwargs={"reuse": True}),
     "activation_checkpointing": Case(model_kwargs={"nested": True, "reuse": True}, checkpoint=True),
+    "reentrant_checkpointing": Case(model_kwargs={"nested": True}, accumulate=2, checkpoint="reentrant"),
 }
 
 
@@ -175,7 +177,9 @@ def train_zero(model: nn.Module, case: Case, rank: int, stage: int, comm: Commun
     # every Linear and Block is a gather unit (a Block nests its Linear's unit; the tied head weight then
     # lives in the root unit with the embedding).
     policy = {nn.Linear, Block} if stage == 3 else None
-    if case.checkpoint:
+    if case.checkpoint == "reentrant":
+        checkpoint_reentrant(model, (nn.Linear, Block))
+    elif case.checkpoint:
         apply_activation_checkpointing(model, {nn.Linear, Block})
     engine_options = EngineOptions(stage=stage, bucket_cap_mb=0.0005, wrap_policy=policy, **options)
     engine = ZeroEngine(model, optimizers, engine_options, comm)
@@ -192,6 +196,27 @@ def train_zero(model: nn.Module, case: Case, rank: int, stage: int, comm: Commun
             optimizer.step()
     engine.backward.remove_hooks()
     return engine
+
+
+class ReentrantCheckpoint(nn.Module):
+    """Calls the module it wraps inside ``torch.utils.checkpoint(..., use_reentrant=True)``, as Hugging Face's
+    gradient checkpointing calls a layer: the module's hooks run inside the checkpoint."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.module.__call__, *args, use_reentrant=True)
+
+
+def checkpoint_reentrant(model: nn.Module, classes: tuple[type[nn.Module], ...]) -> None:
+    """Wrap every submodule of ``classes`` in a :class:`ReentrantCheckpoint` (nested ones too: a Block and its Linear);
+    the parameters keep their order."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, classes):
+                setattr(parent, name, ReentrantCheckpoint(child))
 
 
 def clip_with_engine(engine: ZeroEngine, optimizer: Optimizer, case: Case) -> None:

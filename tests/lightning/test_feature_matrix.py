@@ -18,7 +18,10 @@ Factors (every legal pair of two factors' values occurs in some case, see ``test
   backward, whose gathers read it, see [Note: secondary shards]); ``quantize_gradients`` off or on (on one node
   nothing crosses nodes, so it must change nothing; with ``partition="parameter"`` it is refused, so that pair is
   not legal); ``free_gradients_after_step`` off or on (on: no gradient is held when Lightning's ``zero_grad`` comes
-  after the next forward, checked in ``on_before_zero_grad``; off: every step's gradients are still held there).
+  after the next forward, checked in ``on_before_zero_grad``; off: every step's gradients are still held there);
+  ``activation_checkpointing``: none, or each Linear called inside ``torch.utils.checkpoint`` as Hugging Face's
+  gradient checkpointing calls a layer (its hooks inside the checkpoint), non-reentrant or reentrant (see [Note:
+  reentrant activation checkpointing at stage 3]).
 
 Each case ends with the same parameters as its oracle, a run doing the same maths: in fp32 Lightning's DDP with the
 model's oracle variant (a loss reaching every parameter with zeros where rank 1's does not; the weighted loss scaled
@@ -42,6 +45,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from tests.lightning.models import TokenSequences, max_rel_diff, result_of
@@ -68,6 +72,7 @@ FACTORS: dict[str, tuple[Any, ...]] = {
     "secondary_shard_size": (None, 1),  # stage 3: backward gathers from the slices kept after forward (a full copy)
     "quantize_gradients": (False, True),  # one node: the same as off
     "free_gradients_after_step": (False, True),
+    "activation_checkpointing": ("none", "non_reentrant", "reentrant"),
 }
 OFFLOAD = {  # offload -> (offload_optimizer, offload_params)
     "none": (False, False),
@@ -84,6 +89,7 @@ PLAIN = {  # the oracle's
     "secondary_shard_size": None,
     "quantize_gradients": False,
     "free_gradients_after_step": False,
+    "activation_checkpointing": "none",
 }
 
 
@@ -118,7 +124,9 @@ class MatrixLM(pl.LightningModule):
     ``oracle=True`` makes it the fp32 DDP oracle of a case: every loss reaches every parameter, and a weighted loss
     is scaled so that DDP's average is the step's mean over every token."""
 
-    def __init__(self, weighted: bool, uneven: bool, accumulate: int, oracle: bool = False) -> None:
+    def __init__(
+        self, weighted: bool, uneven: bool, accumulate: int, oracle: bool = False, checkpointing: str = "none"
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.emb = nn.Embedding(VOCAB, 8)
@@ -127,10 +135,16 @@ class MatrixLM(pl.LightningModule):
         self.head = nn.Linear(15, VOCAB)
         self.weighted, self.uneven, self.accumulate, self.oracle = weighted, uneven, accumulate, oracle
         self.weights = step_weights(accumulate)
+        self.checkpointing = checkpointing
 
     def forward(self, tokens: Tensor) -> Tensor:
-        self.first = torch.tanh(self.a(self.emb(tokens)))
-        return self.head(torch.tanh(self.b(self.first)))
+        self.first = torch.tanh(self._layer(self.a, self.emb(tokens)))
+        return self.head(torch.tanh(self._layer(self.b, self.first)))
+
+    def _layer(self, layer: nn.Module, hidden: Tensor) -> Tensor:
+        if self.checkpointing == "none":
+            return layer(hidden)
+        return checkpoint(layer.__call__, hidden, use_reentrant=self.checkpointing == "reentrant")
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Any:
         tokens, labels = batch
@@ -216,7 +230,8 @@ def _strategy(case: dict[str, Any], root: Path) -> pl.strategies.Strategy:
 
 def _fit_once(case: dict[str, Any], root: Path, epochs: int, ckpt_path: str | None, save: str | None) -> Any:
     accumulate = 2 if case["accumulate_clip"] else 1
-    model = MatrixLM(case["weighted"], case["uneven"], accumulate, oracle=case.get("oracle") == "ddp")
+    oracle = case.get("oracle") == "ddp"
+    model = MatrixLM(case["weighted"], case["uneven"], accumulate, oracle, case["activation_checkpointing"])
     callbacks: list[pl.Callback] = [SaveAtEpochEnd(save)] if save else []
     if case.get("oracle") != "ddp":
         callbacks.append(HeldBeforeZeroGrad())

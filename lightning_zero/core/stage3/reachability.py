@@ -10,18 +10,30 @@ other. So when a backward passes over units, the engine walks the graph once fro
 given to ``ZeroEngine.scale_loss``) and marks every parameter of those units that the graph does not reach as done
 for this pass (it gets no gradient here, as a parameter no hook fires for at the end of backward): their buckets
 are complete and launch in order, as the other rank expects. The walk visits each graph node once (a few
-milliseconds for a GPT graph) and runs only in a backward that passes over units.
+milliseconds for a GPT graph) and runs only in a backward that passes over units. A reentrant checkpoint's node
+reaches its module's parameters through a graph of its own, built inside backward (see [Note: reentrant activation
+checkpointing at stage 3]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import Any
 
+from lightning_zero.core.stage3.reentrant import checkpointed_module
 
-def reached_leaves(roots: Iterable[Any]) -> set[int]:
+
+class _EveryLeaf(Container[int]):
+    """What a graph reaches where that cannot be told: every leaf."""
+
+    def __contains__(self, item: object) -> bool:
+        return True
+
+
+def reached_leaves(roots: Iterable[Any]) -> Container[int]:
     """The ``id`` of every leaf tensor whose gradient accumulator the autograd graph from ``roots`` (``grad_fn``
-    nodes) reaches."""
+    nodes) reaches; every ``id`` where that cannot be told (a reentrant checkpoint of a function that is no
+    module's)."""
     stack = [node for node in roots if node is not None]
     visited: list[Any] = []  # keeps every node alive while ids are compared
     seen: set[int] = set()
@@ -35,5 +47,10 @@ def reached_leaves(roots: Iterable[Any]) -> set[int]:
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
         if variable is not None:
             leaves.add(id(variable))
+        if hasattr(node, "run_function"):  # a reentrant checkpoint: its backward recomputes a graph of its own
+            module = checkpointed_module(node)
+            if module is None:
+                return _EveryLeaf()
+            leaves.update(id(p) for p in module.parameters())
         stack.extend(child for child, _ in node.next_functions if child is not None)
     return leaves

@@ -37,8 +37,9 @@ So a forward of such a unit under saved-tensor hooks (those of a non-reentrant c
 ``save_on_cpu``, which never recomputes, unless a checkpoint's hooks lie under it) records a plan entry without
 gradient hooks; the recompute reaches it through its pre-forward hook, and its post-forward hook frees it
 (no saved tensor of an operation without gradients refers to its parameters). A reentrant checkpoint runs its
-forward without gradients, so nothing inside is recorded: a recompute that needs a unit without an entry raises,
-naming ``use_reentrant=False``.
+forward without gradients: its units record their entries as units with gradients do (see [Note: reentrant
+activation checkpointing at stage 3] in reentrant.py). A recompute by some other function that ran its forward
+without gradients needs a unit without an entry: it raises, naming torch's checkpoint.
 
 [Note: stage-3 prefetch]
 With ``overlap_comm=True`` the order in which units were gathered for forward in the last pass
@@ -66,6 +67,7 @@ from lightning_zero.core.stage3.backward_plan import BackwardPlan
 from lightning_zero.core.stage3.divergence import GatherSequence
 from lightning_zero.core.stage3.forward_order import ForwardOrder
 from lightning_zero.core.stage3.grad_hooks import GradHooks
+from lightning_zero.core.stage3.reentrant import in_reentrant_checkpoint
 from lightning_zero.core.stage3.secondary import SecondaryShards
 from lightning_zero.core.stage3.units import GatherUnit, held_gathered
 from lightning_zero.core.store.stores import ShardStore
@@ -244,6 +246,10 @@ class Stage3Scheduler:
                         unit.keep_secondary()  # a plan entry: its backward gathers from the slices
                 elif not unit.is_root:
                     self._outputs_need_no_gradient(unit, recomputing)
+            elif not (recomputing or unit.is_root) and in_reentrant_checkpoint():  # backward runs it again
+                self.plan.drop_retained()
+                self.plan.record(unit)
+                unit.keep_secondary()
             if not recomputing and not (unit.is_root and torch.is_grad_enabled()):
                 unit.reshard(keep=self.forward_order.expects_more(1 + self.prefetch))
             return output
@@ -253,7 +259,7 @@ class Stage3Scheduler:
     def _outputs_need_no_gradient(self, unit: GatherUnit, recomputing: bool) -> None:
         """A forward with gradients enabled whose outputs need none: see [Note: units recomputed without gradients]."""
         if recomputing:  # nothing else frees it
-            if not self.plan.keeps(unit):
+            if not self._kept(unit):
                 unit.reshard(keep=self.plan.pending)
         elif _may_be_recomputed():
             self.plan.drop_retained()
@@ -270,7 +276,7 @@ class Stage3Scheduler:
             self.plan.inputs_hooked(unit)
 
     def _inputs_done(self, unit: GatherUnit) -> None:
-        if self.plan.inputs_done(unit):
+        if self.plan.inputs_done(unit) and not self._kept(unit):
             unit.reshard(keep=self.plan.pending)
 
     # ------------------------------------------------------------------ backward
@@ -336,8 +342,14 @@ class Stage3Scheduler:
         """Every trainable parameter of ``unit`` got its gradient in this pass: free it, if nothing else tells when
         its backward is over (its inputs need no gradient) and it holds nothing frozen (whose backward may come
         later) and no plan entry is left for it."""
-        if not (self.plan.keeps(unit) or unit.holds_frozen or unit.is_root):
+        if not (self._kept(unit) or unit.holds_frozen or unit.is_root):
             unit.reshard(keep=self.plan.pending)
+
+    def _kept(self, unit: GatherUnit) -> bool:
+        """Something still needs ``unit`` gathered in this backward: the plan (see :meth:`BackwardPlan.keeps`), or
+        the backward prefetch, which issued its next entry while it was gathered (a unit used again next: inside a
+        reentrant checkpoint and outside it) and must find it gathered when the backward reaches it."""
+        return self.plan.keeps(unit) or unit is self._ahead
 
     def finish_backward(self) -> None:
         """Issue the plan's remaining entries (units this rank's graph did not reach)."""
@@ -372,10 +384,9 @@ def _no_entry_error(unit: GatherUnit, recompute: bool) -> RuntimeError:
     if recompute:
         return RuntimeError(
             f"ZeroStrategy(stage=3): unit {unit.name!r} is recomputed inside backward, but its forward ran without "
-            "gradients and left no entry in the backward plan: reentrant activation checkpointing "
-            "(torch.utils.checkpoint(..., use_reentrant=True), or a library's gradient checkpointing that uses it) "
-            "around a module that holds units. Use ZeroStrategy(activation_checkpointing=...) or "
-            "torch.utils.checkpoint(..., use_reentrant=False)."
+            "gradients and left no entry in the backward plan: a function other than torch.utils.checkpoint runs "
+            "a module that holds units again inside backward, so the ranks cannot tell in forward that they will "
+            "gather it. Use torch.utils.checkpoint (reentrant or not) or ZeroStrategy(activation_checkpointing=...)."
         )
     return RuntimeError(
         f"ZeroStrategy(stage=3): unit {unit.name!r} is needed by this backward pass, but no forward since the "

@@ -124,9 +124,10 @@ class GradBucket(ABC):
         if self.state is BucketState.LAUNCHED:
             raise RuntimeError(
                 f"a parameter of shape {self.buffer.layout.slots[slot].shape} received a second gradient after "
-                "its bucket was reduced in this backward pass. Reentrant backward calls inside one pass (e.g. "
-                "reentrant activation checkpointing) are not supported; use torch.utils.checkpoint with "
-                "use_reentrant=False."
+                "its bucket was reduced in this backward pass: it is used in two places, one of them inside a "
+                "reentrant activation checkpoint, whose backward is a pass of its own that gives it a gradient "
+                "again. Use torch.utils.checkpoint(..., use_reentrant=False), or ZeroStrategy(overlap_comm=False), "
+                "which reduces at the end of backward."
             )
         if self.state is BucketState.IDLE:
             self._begin_filling()
