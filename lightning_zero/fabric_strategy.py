@@ -351,6 +351,8 @@ class _IterationStarts:
             new_iteration = not self.awaits_backward or self.running
             self.running = True
             self.session.begin_training_forward(new_iteration=new_iteration)
+        else:
+            self.session.begin_evaluation_forward()
 
     def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.running:

@@ -219,6 +219,15 @@ class ZeroSession:
         # backward frees them again, except in manual optimization.
         engine.model.scheduler.unshard_root()
 
+    def begin_evaluation_forward(self) -> None:
+        """Before an evaluation forward (``validation_step`` inside ``fit``, a Fabric forward without gradients): as
+        DDP's forward does, rank 0's buffers are broadcast where a training forward whose gradients were reduced came
+        since the last broadcast, and not again until the next one (a BatchNorm's statistics are rank 0's in
+        validation, as under DDP)."""
+        if self._sync_buffers_next:
+            self._engine.sync_buffers()
+        self._sync_buffers_next = False
+
     def take_training_step_output(self, output: Any, automatic: bool, step: int) -> None:
         """Check ``output`` against ``weighted_loss`` and give its weight to the engine (see loss_weighting.py)."""
         if self.sharded:

@@ -266,6 +266,8 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.session.root_gathered():
+            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:  # DDP's wrapper runs it only in fit
+                self.session.begin_evaluation_forward()
             return super().validation_step(*args, **kwargs)
 
     @override

@@ -19,6 +19,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.utils.checkpoint
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy, Strategy
 from torch import Tensor, nn
@@ -517,6 +518,65 @@ def two_forward_runs(rank: int, world_size: int) -> dict[str, Any]:
     return against_ddp(world_size, small_mlp(outputs=4), "two_forwards", train)
 
 
+def evaluation_runs(rank: int, world_size: int) -> dict[str, Any]:
+    """A BatchNorm model evaluated (``eval()``, ``torch.no_grad()``) after each step: Fabric's DDP broadcasts rank 0's
+    buffers in that forward, so every rank evaluates with rank 0's statistics; stages 1-3 likewise (they once kept
+    each rank's own). Each stage's largest relative difference of the outputs from DDP's."""
+    outputs = {}
+    for stage in ("ddp", *STAGES):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+        fabric = launched(world_size, DDPStrategy() if stage == "ddp" else zero_strategy(stage))
+        wrapped, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        outputs[stage] = []
+        for step in range(STEPS):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step + 10 * rank))
+            fabric.backward(wrapped(x).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            wrapped.eval()
+            with torch.no_grad():
+                outputs[stage].append(wrapped(torch.ones(2, 4)))
+            wrapped.train()
+    reference = torch.stack(outputs["ddp"])
+    scale = reference.abs().max()
+    return {
+        f"evaluation/stage{stage}": ((torch.stack(outputs[stage]) - reference).abs().max() / scale).item()
+        for stage in STAGES
+    }
+
+
+class ReentrantBlocks(nn.Module):
+    """Three blocks called inside ``torch.utils.checkpoint(..., use_reentrant=True)`` where ``reentrant`` (at stage
+    3 each block is a unit, its hooks inside the checkpoint), then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(8, 1)
+        self.reentrant = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block.__call__, x, use_reentrant=True) if self.reentrant else block(x)
+        return self.head(x)
+
+
+def reentrant_runs(rank: int, world_size: int) -> dict[str, Any]:
+    """Reentrant checkpoints of the user's own under stages 1-3 against Fabric's DDP without them (the same maths)."""
+
+    def train(fabric: Fabric, wrapped: Any, optimizer: Optimizer, stage: Any) -> None:
+        wrapped.module.reentrant = stage != "ddp"
+        for step in range(STEPS):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 10 * rank)).requires_grad_()
+            fabric.backward(wrapped(x).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+
+    torch.manual_seed(0)
+    return against_ddp(world_size, ReentrantBlocks(), "reentrant", train)
+
+
 def run_all(rank: int, world_size: int) -> dict[str, Any]:
     """One spawn: every run of this module."""
     results, separate_two = fp32_runs(rank, world_size)
@@ -524,6 +584,8 @@ def run_all(rank: int, world_size: int) -> dict[str, Any]:
     results.update(penalty_runs(rank, world_size))
     results.update(grad_norm_runs(rank, world_size))
     results.update(two_forward_runs(rank, world_size))
+    results.update(evaluation_runs(rank, world_size))
+    results.update(reentrant_runs(rank, world_size))
     results.update(bf16_runs(rank, world_size))
     results.update(init_module_runs(rank, world_size))
     results.update(error_runs(rank, world_size, separate_two))

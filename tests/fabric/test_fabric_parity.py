@@ -92,6 +92,20 @@ def test_two_forwards_before_one_backward_equal_fabric_ddp(results: list[dict[st
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_evaluation_uses_rank_zeros_buffers_as_fabric_ddp(results: list[dict[str, Any]], stage: int) -> None:
+    """A forward without gradients after a step broadcasts rank 0's buffers (BatchNorm statistics), as DDP's does:
+    the evaluation outputs equal DDP's on every rank (rank 1's once used its own statistics)."""
+    assert _each_rank(results, f"evaluation/stage{stage}") == pytest.approx([0.0] * len(results), abs=TOLERANCE)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_reentrant_checkpoints_of_the_users_own_equal_fabric_ddp(results: list[dict[str, Any]], stage: int) -> None:
+    """``torch.utils.checkpoint(block.__call__, x, use_reentrant=True)`` around each block (a stage-3 unit): equal to
+    Fabric's DDP without the checkpoints (see [Note: reentrant activation checkpointing at stage 3])."""
+    assert _each_rank(results, f"reentrant/stage{stage}") == pytest.approx([0.0] * len(results), abs=TOLERANCE)
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_two_backwards_over_a_retained_graph_equal_fabric_ddp(results: list[dict[str, Any]], stage: int) -> None:
     """``fabric.backward(l1, retain_graph=True); fabric.backward(l2)`` over one forward: at stage 3 the second
     backward gathers the units again (see [Note: a retained graph])."""

@@ -154,3 +154,18 @@ class WithBatchNorm(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class ValidatedBatchNorm(WithBatchNorm):
+    """Validation inside ``fit``: DDP broadcasts rank 0's buffers in the first forward after a training forward
+    whose gradients were reduced, a validation forward too, so every rank validates (and ends) with rank 0's
+    statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_losses: list[float] = []
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        self.val_losses.append(loss.item())
+        return loss

@@ -1,9 +1,9 @@
-"""Stage 3 under reentrant activation checkpointing: telling a forward that will run again inside backward, and the
-module whose parameters a checkpoint's backward reaches.
+"""Reentrant activation checkpointing: telling a forward that will run again inside backward (stage 3), the module
+whose parameters a checkpoint's backward reaches (stage 3), and a gradient hook inside that backward (every stage).
 
 [Note: reentrant activation checkpointing at stage 3]
-``torch.utils.checkpoint(fn, *args, use_reentrant=True)`` (the default of Hugging Face's
-``gradient_checkpointing_enable()``) runs ``fn`` without gradients in forward, so its units' outputs need none and
+``torch.utils.checkpoint(fn, *args, use_reentrant=True)`` (Hugging Face's ``gradient_checkpointing_enable()``
+before transformers 5, or when asked) runs ``fn`` without gradients in forward, so its units' outputs need none and
 would leave no plan entry (see [Note: stage-3 backward plan]). Inside backward its node runs ``fn`` again with
 gradients (the recompute gathers the units again) and then a backward of its own over that recomputed graph: a nested
 graph task, in which the units' parameters get their gradients. Three things make that work:
