@@ -260,6 +260,16 @@ class ZeroSession:
         finally:
             scheduler.reshard_all()
 
+    @contextmanager
+    def evaluation_step(self, last: bool) -> Generator[None, None, None]:
+        """Around one evaluation step (validation, test, prediction): :meth:`root_gathered`; after this rank's
+        ``last`` one, stage 3 gathers with the ranks still evaluating until every rank's loop has ended (see [Note:
+        evaluation loops of different lengths])."""
+        with self.root_gathered():
+            yield
+        if last:
+            self._engine.model.scheduler.join_evaluation()
+
     def no_sync(self) -> Any:
         """Accumulate gradients without reducing them (a do-nothing context while nothing is sharded)."""
         return self._engine.backward.no_sync()

@@ -265,19 +265,20 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.session.root_gathered():
-            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:  # DDP's wrapper runs it only in fit
+        trainer = self.lightning_module.trainer
+        with self.session.evaluation_step(_is_last_batch(trainer._evaluation_loop)):
+            if trainer.state.fn == TrainerFn.FITTING:  # DDP's wrapper runs it only in fit
                 self.session.begin_evaluation_forward()
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.session.root_gathered():
+        with self.session.evaluation_step(_is_last_batch(self.lightning_module.trainer._evaluation_loop)):
             return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.session.root_gathered():
+        with self.session.evaluation_step(_is_last_batch(self.lightning_module.trainer.predict_loop)):
             return super().predict_step(*args, **kwargs)
 
     @contextmanager
@@ -412,3 +413,10 @@ def _resume_dcp_without_loops(checkpoint: dict[str, Any], path: _PATH) -> None:
         "states are restored, but the Trainer's loops (global_step, epoch), LR schedulers and callbacks start fresh. "
         "Set max_steps for the steps still to run."
     )
+
+
+def _is_last_batch(loop: Any) -> bool:
+    """Whether the evaluation step about to run is this rank's last in ``loop`` (Lightning's data fetcher knows it
+    ahead of the step); ``False`` where the loop does not say."""
+    progress = getattr(loop, "batch_progress", None)
+    return bool(getattr(progress, "is_last_batch", False))

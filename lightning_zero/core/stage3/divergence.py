@@ -21,6 +21,17 @@ in the agreed order) record different plans. So when a plan opens (every rank an
 exchange one more tag, (iteration, ``-1 - len(plan)``, CRC-32 of the plan's units): a rank still gathering in
 forward, or one whose forward recorded other units, differs from it. Where tags differ, the ranks exchange a
 description of what each was doing (an all-gather of Python objects, on the error path only) for the message.
+
+[Note: evaluation loops of different lengths]
+Lightning's prediction loop does not pad the last batches (its sampler never repeats a sample), and a user's own
+sampler may give the ranks different numbers of evaluation batches: DDP evaluates without a collective, so that
+works, but at stage 3 the rank that finished first left the others waiting in a gather forever. So a rank whose
+evaluation loop ended *joins* (:meth:`GatherSequence.joined`): it sends the tag (iteration, 0, 0) instead of a
+gather's, learns from the others' tags which unit they gather now, gathers it with them and frees it, until every
+rank has joined, counting those gathers as its own. A gather's check accepts joined ranks' tags (the ranks still
+evaluating must agree among themselves); a backward plan's check with a rank joined raises on every rank, as any
+disagreement does. A joined rank gathers as a forward does (a backward gather from secondary slices, in a gradient
+penalty of a longer validation loop, is not mirrored). A rank with no evaluation batch runs no step and cannot join.
 """
 
 from __future__ import annotations
@@ -38,6 +49,9 @@ _FIX = (
     "every rank is done (all-reduce a 'finished' flag each step), or gather the model with "
     "strategy.gathered_params() (or use stage 2) for it."
 )
+
+
+_JOINED = 0  # the gather number of a joined rank's tag: gathers count from 1, a backward plan's tag is negative
 
 
 class DivergentControlFlowError(RuntimeError):
@@ -80,18 +94,33 @@ class GatherSequence:
         where = f"starts a backward whose forward recorded units [{units}] (iteration {self.iteration})"
         self._agree((self.iteration, -1 - len(plan), crc), where)
 
-    def _agree(self, tag: tuple[int, int, int], where: str) -> None:
+    def joined(self) -> int | None:
+        """This rank's evaluation loop ended (collective): the unit the ranks still evaluating gather now, or ``None``
+        once every rank's has ended. See [Note: evaluation loops of different lengths]."""
+        tags = self._agree((self.iteration, _JOINED, 0), "ended its evaluation loop")
+        running = [tag for tag in tags if tag[1] != _JOINED]
+        if not running:
+            return None
+        self.iteration, self.count = running[0][0], running[0][1]  # the gathers joined count as this rank's
+        return running[0][2]
+
+    def _agree(self, tag: tuple[int, int, int], where: str) -> list[list[int]]:
+        """Exchange ``tag`` (collective) and raise on every rank unless the ranks that have not joined sent the same
+        one, a gather's where any has joined; every rank's tag."""
         self._host[0], self._host[1], self._host[2] = tag
         if self._mine is not self._host:
             self._mine.copy_(self._host)
         self.comm.exchange_tags(self._mine, self._everyone)
         tags = self._everyone.view(self.comm.world_size, 3).tolist()
-        if any(other != tags[0] for other in tags):
+        running = [other for other in tags if other[1] != _JOINED]
+        differ = any(other != running[0] for other in running)
+        if running and (differ or (len(running) < len(tags) and running[0][1] < 0)):
             everyone = self.comm.all_gather_object(where)  # every rank saw the difference: all take this path
             ranks = "; ".join(f"rank {rank} {what}" for rank, what in enumerate(everyone))
             raise DivergentControlFlowError(
                 f"ZeroStrategy(stage=3): the ranks took different paths through the model: {ranks}. {_FIX}"
             )
+        return tags
 
     def _name(self, unit: int) -> str:
         return self.names[unit] if 0 <= unit < len(self.names) else f"#{unit}"

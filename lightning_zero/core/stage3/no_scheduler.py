@@ -31,6 +31,9 @@ class NoScheduler:
     def unshard_root(self) -> None:
         pass
 
+    def join_evaluation(self) -> None:
+        pass
+
     def reshard_all(self) -> None:
         pass
 

@@ -182,6 +182,16 @@ class Stage3Scheduler:
             unit.drop_secondary()
         self.memory.release()
 
+    def join_evaluation(self) -> None:
+        """This rank's evaluation loop ended: gather with the ranks still evaluating, unit by unit, until every rank's
+        loop has ended (collective). See [Note: evaluation loops of different lengths]."""
+        while (index := self.sequence.joined()) is not None:
+            unit = self.units[index]
+            self._start(unit, check=False)
+            unit.wait()
+            unit.reshard()
+            self.memory.release()
+
     def unshard_root(self) -> None:
         """Gather the root unit: Lightning's step methods use it without calling the root's forward."""
         self._unshard(self.root)
