@@ -19,7 +19,8 @@ ledger's parts (see :class:`~lightning_zero.core.memory.StepPeak`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Generic, TypeVar, overload
 
 from torch import Tensor
@@ -62,6 +63,16 @@ class PeakLedger:
         """Start a new step: its peak begins with what is held now."""
         self.peak = dict(self.current)
         self._peak_sum = self._sum
+
+    @contextmanager
+    def not_counted(self) -> Iterator[None]:
+        """What the block holds is not the step's: the peak after it is the peak before it (the whole model
+        gathered for an export must not read as the last step's peak)."""
+        peak, peak_sum = self.peak, self._peak_sum
+        try:
+            yield
+        finally:
+            self.peak, self._peak_sum = peak, peak_sum
 
 
 class DetachedLedger(PeakLedger):

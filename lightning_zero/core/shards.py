@@ -179,9 +179,10 @@ class ShardedModel:
     @contextmanager
     def gathered(self, write_back: bool = False) -> Iterator[None]:
         """Hold every parameter in full inside the block (stage 3; a no-op before). With ``write_back`` changes made
-        to the parameters inside (e.g. ``load_state_dict``) are kept."""
+        to the parameters inside (e.g. ``load_state_dict``) are kept. What it gathers is not counted in the step's
+        peak."""
         stores = lambda: [group.store for group in self.trained]  # noqa: E731
-        with self.scheduler.gathered(write_back, stores):  # type: ignore[arg-type]
+        with self.ledger.not_counted(), self.scheduler.gathered(write_back, stores):  # type: ignore[arg-type]
             yield
 
     @contextmanager
