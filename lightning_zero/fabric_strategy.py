@@ -33,7 +33,7 @@ from lightning_zero import collectives, fabric_checkpoints, loss_weighting
 from lightning_zero.checkpoint import remove_sharded
 from lightning_zero.core.engine import ZeroEngine, release_previous_engine
 from lightning_zero.core.options import OffloadTarget
-from lightning_zero.core.stage3.meta_init import recording_creators
+from lightning_zero.core.stage3.meta_init import on_meta_device
 from lightning_zero.fabric_precision import ZeroFabricPrecision
 from lightning_zero.front_door import ZeroFrontDoor
 from lightning_zero.session import ZeroSession, move_materialized
@@ -133,8 +133,7 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
         if self.config.engine.stage != 3:
             return super().module_init_context(empty_init)
         stack = ExitStack()
-        stack.enter_context(torch.device("meta"))
-        stack.enter_context(recording_creators())  # see [Note: tied parameters created on the meta device]
+        stack.enter_context(on_meta_device())
         stack.enter_context(self.precision.module_init_context())
         return stack
 

@@ -32,7 +32,7 @@ from lightning_zero import collectives, loss_weighting
 from lightning_zero.checkpoint import is_dcp_checkpoint, remove_sharded
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.options import OffloadTarget
-from lightning_zero.core.stage3.meta_init import recording_creators
+from lightning_zero.core.stage3.meta_init import on_meta_device
 from lightning_zero.front_door import ZeroFrontDoor
 from lightning_zero.launcher import ZeroMultiProcessingLauncher
 from lightning_zero.precision import ZeroPrecision, unwrap_optimizer
@@ -233,7 +233,7 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
         if self.config.engine.stage != 3:
             yield
             return
-        with torch.device("meta"), recording_creators():  # see [Note: tied parameters created on the meta device]
+        with on_meta_device():
             yield
 
     @override

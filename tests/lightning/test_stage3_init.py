@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torchmetrics
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -359,3 +360,56 @@ def test_a_unit_read_without_calling_its_module_names_the_wrap_policy(
         message = per_rank["attending_error"]
         assert "'net.attention.out_proj.weight'" in message, message
         assert "take the owner's class out of wrap_policy" in message, message
+
+
+def test_metrics_built_on_the_meta_device_keep_real_states() -> None:
+    """Inside stage 3's meta-device context a torchmetrics metric's states (neither parameters nor buffers: nothing
+    could give them values later) are made as on a real device, with their defaults; the layers stay on meta."""
+    from lightning_zero.core.stage3.meta_init import on_meta_device
+
+    with on_meta_device():
+        layer = nn.Linear(4, 4)
+        mean, largest = torchmetrics.MeanMetric(), torchmetrics.MaxMetric()
+        collection = torchmetrics.MetricCollection({"acc": torchmetrics.Accuracy(task="multiclass", num_classes=3)})
+    assert layer.weight.is_meta
+    assert not mean.mean_value.is_meta
+    assert largest.max_value.item() == float("-inf")
+    largest.update(torch.tensor([2.0, 5.0]))
+    assert largest.compute().item() == 5.0
+    collection.update(torch.tensor([0, 1, 2]), torch.tensor([0, 1, 1]))
+    assert collection.compute()["acc"].item() == pytest.approx(2 / 3)
+
+
+class MetricInConfigureModel(LightningModule):
+    """Layers and a torchmetrics metric built in configure_model (at stage 3 on the meta device)."""
+
+    def configure_model(self) -> None:
+        if hasattr(self, "net"):
+            return
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 3))
+        self.accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=3)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.accuracy(self.net(batch[0]), batch[1])
+        self.log("acc", self.accuracy)
+
+
+def _validate_with_a_metric(rank: int, world_size: int) -> float:
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ZeroStrategy(stage=3),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return trainer.validate(MetricInConfigureModel(), DataLoader(data, batch_size=8), verbose=False)[0]["acc"]
+
+
+def test_a_metric_built_in_configure_model_at_stage_3() -> None:
+    """It failed at setup on every rank with torch's "Cannot copy out of meta tensor" (found in a user's trial)."""
+    accuracies = run_on_ranks(_validate_with_a_metric, 2)
+    assert accuracies[0] == accuracies[1]
+    assert 0.0 <= accuracies[0] <= 1.0

@@ -26,6 +26,8 @@ model (made by a module then dropped) keeps the first values a module of the mod
 
 from __future__ import annotations
 
+import functools
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.utils._device import DeviceContext, _device_constructors
 
 # id(parameter) -> (the module that registered it first, under which name). Not a weak mapping of the parameters:
 # ``torch.utils.swap_tensors``, by which the engine gives them storage, refuses tensors with weak references. A
@@ -47,6 +50,43 @@ def _recorded(param: Any) -> nn.Module | None:
         return None
     module = entry[0]()
     return module if module is not None and module._parameters.get(entry[1]) is param else None
+
+
+class _MetaDevice(DeviceContext):
+    """``torch.device("meta")``, except for the tensors a torchmetrics ``Metric`` creates while it is built: its states
+    are neither parameters nor buffers, so nothing could give them their values later (``reset()`` copies them from
+    defaults made on the meta device too); they are made as on a real device, the metric holds no parameter."""
+
+    def __init__(self) -> None:
+        super().__init__("meta")
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _device_constructors() and kwargs.get("device") is None and not _building_a_metric():
+            kwargs["device"] = self.device
+        return func(*args, **kwargs)
+
+
+def _building_a_metric() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and _is_metric(type(frame.f_locals.get("self"))):
+            return True
+        frame = frame.f_back
+    return False
+
+
+@functools.cache
+def _is_metric(cls: type) -> bool:
+    return any(c.__name__ == "Metric" and c.__module__.startswith("torchmetrics") for c in cls.__mro__)
+
+
+@contextmanager
+def on_meta_device() -> Iterator[None]:
+    """Modules built inside go to the meta device (torchmetrics metrics excepted, see :class:`_MetaDevice`), and the
+    creators of their parameters are recorded (see [Note: tied parameters created on the meta device])."""
+    with _MetaDevice(), recording_creators():
+        yield
 
 
 @contextmanager
