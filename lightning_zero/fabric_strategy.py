@@ -34,6 +34,7 @@ from lightning_zero.checkpoint import remove_sharded
 from lightning_zero.core.engine import ZeroEngine, release_previous_engine
 from lightning_zero.core.options import OffloadTarget
 from lightning_zero.core.stage3.meta_init import on_meta_device
+from lightning_zero.core.stage3.units import UnitHook
 from lightning_zero.fabric_precision import ZeroFabricPrecision
 from lightning_zero.front_door import ZeroFrontDoor
 from lightning_zero.session import ZeroSession, move_materialized
@@ -210,8 +211,9 @@ class ZeroFabricStrategy(ZeroFrontDoor, ParallelStrategy, _Sharded):
         self._module = module  # only once sharded: a setup refused before anything changed can be retried
         precision.attach(self.session.engine_or_none)
         # First, before the root unit's own hook gathers it: a new iteration frees every unit (see Stage3Scheduler).
-        module.register_forward_pre_hook(self._iterations.before_forward, prepend=True)
-        module.register_forward_hook(self._iterations.after_forward)
+        # A copy of the module (an EMA: copy.deepcopy, AveragedModel) keeps no hook of this strategy's.
+        module.register_forward_pre_hook(UnitHook(self._iterations.before_forward), prepend=True)
+        module.register_forward_hook(UnitHook(self._iterations.after_forward))
 
     # ------------------------------------------------------------------ backward and step
     @override

@@ -521,7 +521,9 @@ def two_forward_runs(rank: int, world_size: int) -> dict[str, Any]:
 def evaluation_runs(rank: int, world_size: int) -> dict[str, Any]:
     """A BatchNorm model evaluated (``eval()``, ``torch.no_grad()``) after each step: Fabric's DDP broadcasts rank 0's
     buffers in that forward, so every rank evaluates with rank 0's statistics; stages 1-3 likewise (they once kept
-    each rank's own). Each stage's largest relative difference of the outputs from DDP's."""
+    each rank's own). Then a ``copy.deepcopy`` of the module (an EMA's copy; it once failed at every stage: "cannot
+    pickle PrefixStore", the strategy's hooks) evaluates the same. Each stage's largest relative difference of the
+    outputs from DDP's."""
     outputs = {}
     for stage in ("ddp", *STAGES):
         torch.manual_seed(0)
@@ -538,6 +540,10 @@ def evaluation_runs(rank: int, world_size: int) -> dict[str, Any]:
             with torch.no_grad():
                 outputs[stage].append(wrapped(torch.ones(2, 4)))
             wrapped.train()
+        with nullcontext() if stage == "ddp" else fabric.strategy.gathered_params():
+            copied = copy.deepcopy(model).eval()  # an EMA's copy: a plain module, no hook of the strategy's
+        with torch.no_grad():
+            outputs[stage].append(copied(torch.ones(2, 4)))
     reference = torch.stack(outputs["ddp"])
     scale = reference.abs().max()
     return {

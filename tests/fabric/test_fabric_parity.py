@@ -94,7 +94,8 @@ def test_two_forwards_before_one_backward_equal_fabric_ddp(results: list[dict[st
 @pytest.mark.parametrize("stage", STAGES)
 def test_evaluation_uses_rank_zeros_buffers_as_fabric_ddp(results: list[dict[str, Any]], stage: int) -> None:
     """A forward without gradients after a step broadcasts rank 0's buffers (BatchNorm statistics), as DDP's does:
-    the evaluation outputs equal DDP's on every rank (rank 1's once used its own statistics)."""
+    the evaluation outputs equal DDP's on every rank (rank 1's once used its own statistics); so do those of a
+    ``copy.deepcopy`` of the module (an EMA's copy; the strategy's hooks once made it fail)."""
     assert _each_rank(results, f"evaluation/stage{stage}") == pytest.approx([0.0] * len(results), abs=TOLERANCE)
 
 
