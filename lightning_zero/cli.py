@@ -429,3 +429,7 @@ def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
     return int(text)
+
+
+if __name__ == "__main__":  # python -m lightning_zero.cli
+    sys.exit(main())

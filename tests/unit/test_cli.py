@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -404,3 +405,12 @@ def test_a_config_value_the_estimate_cannot_take_exits_naming_it(tmp_path: Path,
     config.write_text(f"model: {{}}\ntrainer:\n  devices: 2{trainer}\n")
     with pytest.raises(SystemExit, match=match):
         main(["estimate", "--config", str(config), "--model", GPT])
+
+
+@pytest.mark.parametrize("module", ["lightning_zero", "lightning_zero.cli"])
+def test_python_dash_m_runs_the_command_line(module: str) -> None:
+    """``python -m lightning_zero.cli --help`` printed nothing and exited 0 (a consolidation scripted that way did
+    nothing, silently; found in a user's trial); ``python -m lightning_zero`` had no ``__main__``."""
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "consolidate" in done.stdout
