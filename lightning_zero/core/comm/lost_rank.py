@@ -160,7 +160,7 @@ def translate(error: BaseException, what: str, rank: int) -> BaseException:
         return RankTimeoutError(
             f"rank {rank} waited in {what} longer than the process group's timeout: another rank is hung (stopped, "
             f"deadlocked) or far behind, or took another path through the program. Raise ZeroStrategy(timeout=...) "
-            f"only if a rank is legitimately that slow. (backend: {first})"
+            f"(or ZeroFabricStrategy's) only if a rank is legitimately that slow. (backend: {first})"
         )
     return error
 

@@ -228,10 +228,11 @@ def _equal_without_values(a: Tensor, b: Tensor) -> bool:
 def _resting_error(param: RestingParameter, what: Any) -> RuntimeError:
     name = getattr(what, "__qualname__", None) or getattr(what, "__name__", None) or str(what)
     return RuntimeError(
-        f"parameter {param._zero_name!r} of shape {tuple(param.shape)} is sharded by ZeroStrategy(stage=3) and "
-        f"holds no values outside the forward and backward of its unit, so {name} cannot read it. Read or copy "
-        "the module inside `with trainer.strategy.gathered_params():` (entered on every rank; add "
-        "write_back=True to keep changes), save it with trainer.save_checkpoint, or train with stage 1 or 2. "
+        f"parameter {param._zero_name!r} of shape {tuple(param.shape)} is sharded by ZeroStrategy(stage=3) (or "
+        f"ZeroFabricStrategy) and holds no values outside the forward and backward of its unit, so {name} cannot "
+        "read it. Read or copy the module inside `with trainer.strategy.gathered_params():` (Fabric: "
+        "`fabric.strategy.gathered_params()`; entered on every rank; add write_back=True to keep changes), save it "
+        "with trainer.save_checkpoint (Fabric: fabric.save), or train with stage 1 or 2. "
         "Inside a forward: a unit's parameters are gathered only around its own module's forward, so code that reads "
         "them without calling that module (nn.MultiheadAttention reads its out_proj's weight) needs the module "
         "that reads them to be the unit: take the owner's class out of wrap_policy, or add the reader's."
