@@ -220,10 +220,8 @@ class ZeroSession:
         engine.model.scheduler.unshard_root()
 
     def begin_evaluation_forward(self) -> None:
-        """Before an evaluation forward (``validation_step`` inside ``fit``, a Fabric forward without gradients): as
-        DDP's forward does, rank 0's buffers are broadcast where a training forward whose gradients were reduced came
-        since the last broadcast, and not again until the next one (a BatchNorm's statistics are rank 0's in
-        validation, as under DDP)."""
+        """Before an evaluation forward, as DDP's: rank 0's buffers broadcast if a training forward whose gradients
+        were reduced came since the last broadcast (BatchNorm statistics are rank 0's in validation)."""
         if self._sync_buffers_next:
             self._engine.sync_buffers()
         self._sync_buffers_next = False
@@ -251,24 +249,20 @@ class ZeroSession:
         return self._engine.loss_weights.global_mean_loss
 
     @contextmanager
-    def root_gathered(self) -> Generator[None, None, None]:
-        """Stage 3: the root unit's parameters gathered around an evaluation step, every unit freed after it."""
+    def evaluation_step(self, last: bool, sync_buffers: bool = False) -> Generator[None, None, None]:
+        """Around one evaluation step: at stage 3 the root unit gathered, every unit freed after it; ``sync_buffers``
+        (validation in ``fit``): :meth:`begin_evaluation_forward`; after this rank's ``last`` step, stage 3 joins the
+        ranks still evaluating (see [Note: evaluation loops of different lengths])."""
         scheduler = self._engine.model.scheduler
         scheduler.unshard_root()
         try:
+            if sync_buffers:
+                self.begin_evaluation_forward()
             yield
         finally:
             scheduler.reshard_all()
-
-    @contextmanager
-    def evaluation_step(self, last: bool) -> Generator[None, None, None]:
-        """Around one evaluation step (validation, test, prediction): :meth:`root_gathered`; after this rank's
-        ``last`` one, stage 3 gathers with the ranks still evaluating until every rank's loop has ended (see [Note:
-        evaluation loops of different lengths])."""
-        with self.root_gathered():
-            yield
         if last:
-            self._engine.model.scheduler.join_evaluation()
+            scheduler.join_evaluation()
 
     def no_sync(self) -> Any:
         """Accumulate gradients without reducing them (a do-nothing context while nothing is sharded)."""

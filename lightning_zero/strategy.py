@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -230,10 +230,7 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Stage 3: modules created in ``configure_model`` go to the meta device; the engine then creates, initialises
         (``reset_parameters()``) and shards them one gather unit at a time, so no rank ever holds the full model."""
-        if self.config.engine.stage != 3:
-            yield
-            return
-        with on_meta_device():
+        with on_meta_device() if self.config.engine.stage == 3 else nullcontext():
             yield
 
     @override
@@ -266,9 +263,8 @@ class ZeroStrategy(ZeroFrontDoor, ParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
-        with self.session.evaluation_step(_is_last_batch(trainer._evaluation_loop)):
-            if trainer.state.fn == TrainerFn.FITTING:  # DDP's wrapper runs it only in fit
-                self.session.begin_evaluation_forward()
+        fitting = trainer.state.fn == TrainerFn.FITTING  # DDP's wrapper runs the step (and syncs buffers) in fit only
+        with self.session.evaluation_step(_is_last_batch(trainer._evaluation_loop), sync_buffers=fitting):
             return super().validation_step(*args, **kwargs)
 
     @override

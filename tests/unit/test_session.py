@@ -46,7 +46,12 @@ def test_an_unsharded_session_does_nothing_around_steps() -> None:
     session = ZeroSession(ZeroConfig())
     model, _ = _model()
     before = [p.detach().clone() for p in model.parameters()]
-    with session.training_forward(manual=True), session.root_gathered(), session.no_sync(), session.gathered(True):
+    with (
+        session.training_forward(manual=True),
+        session.evaluation_step(last=True),
+        session.no_sync(),
+        session.gathered(True),
+    ):
         model(torch.ones(1, 3))
     session.take_training_step_output({"loss": torch.ones(()), "loss_weight": 3}, automatic=True, step=0)
     session.take_manual_backward(torch.ones(()), 3, step=0)

@@ -24,10 +24,12 @@ class BackwardPlan:
         self._forward_inputs: Counter[GatherUnit] = Counter()  # the same as the forwards left them (retained graphs)
         self._pinned: set[GatherUnit] = set()  # reached by a create_graph backward: stay until the backward ends
         self._retained = False  # recorded holds a retained graph's units
+        self.ahead: GatherUnit | None = None  # the entry the backward prefetch issued, not reached yet
 
     # ------------------------------------------------------------------ forward
     def record(self, unit: GatherUnit) -> None:
-        """A forward of ``unit`` produced outputs that need backward: an entry of the next plan."""
+        """A forward of ``unit`` that backward needs: an entry of the next plan (a retained graph's are dropped)."""
+        self.drop_retained()
         self.recorded.append(unit)
 
     def inputs_hooked(self, unit: GatherUnit) -> None:
@@ -54,7 +56,7 @@ class BackwardPlan:
     # ------------------------------------------------------------------ backward
     def open(self) -> None:
         """A backward begins: the recorded units, in reverse order, become its entries."""
-        self.is_open = True
+        self.is_open, self.ahead = True, None
         self._entries.extend(reversed(self.recorded))
         self._remaining.update(self.recorded)
         self.recorded = []
@@ -81,8 +83,10 @@ class BackwardPlan:
         self._pinned.add(unit)
 
     def keeps(self, unit: GatherUnit) -> bool:
-        """Something still needs ``unit`` gathered: inputs awaiting gradients, an entry left, or a pin."""
-        return bool(self._input_hooks[unit] or self._remaining[unit] or unit in self._pinned)
+        """Something still needs ``unit`` gathered: inputs awaiting gradients, an entry left, a pin, or the prefetch,
+        which took its next entry while it was gathered (a unit used again next: inside a reentrant checkpoint and
+        outside it) and must find it gathered when the backward reaches it."""
+        return bool(self._input_hooks[unit] or self._remaining[unit] or unit in self._pinned or unit is self.ahead)
 
     def has_entry_or_pin(self, unit: GatherUnit) -> bool:
         return bool(self._remaining[unit]) or unit in self._pinned
@@ -91,7 +95,7 @@ class BackwardPlan:
         """The backward ended (or raised). ``retain``: its graph may be used again, so its entries are recorded again
         and its units' input counts restored (see [Note: a retained graph])."""
         retained, inputs = list(reversed(self._entries)), self._forward_inputs
-        self.is_open = False
+        self.is_open, self.ahead = False, None
         self._entries, self._cursor, self._remaining, self._input_hooks = [], 0, Counter(), Counter()
         self._forward_inputs, self._pinned = Counter(), set()
         if retain:

@@ -112,7 +112,6 @@ class Stage3Scheduler:
         self._root_held = False  # the caller uses root parameters across backward passes (see hold_root)
         self._running_task: int | None = None  # the autograd graph task now running through units, until it ends
         self.forward_order = ForwardOrder()  # the prefetch's guess
-        self._ahead: GatherUnit | None = None  # the plan entry the backward prefetch issued, not reached yet
         self.grad_hooks = GradHooks()  # on units' outputs and inputs
         self.memory = GatherMemory(device)  # see [Note: reusing gathered storage]
         for unit in units:
@@ -128,7 +127,6 @@ class Stage3Scheduler:
         """A backward raised: forget its plan and free what it gathered (not the root, which the step still uses);
         the entries recorded by a forward since then stay for the next backward."""
         self._running_task = None
-        self._ahead = None
         if not self.plan.is_open:
             return
         self.plan.close()
@@ -166,8 +164,8 @@ class Stage3Scheduler:
                 unit.start_unshard(self.comm, quantized=self.quantize and not exact)
             self.memory.release()  # what this gather did not take
 
-    def _unshard(self, unit: GatherUnit, backward: bool = False) -> None:
-        self._start(unit, backward=backward)
+    def _unshard(self, unit: GatherUnit, backward: bool = False, check: bool = True) -> None:
+        self._start(unit, check=check, backward=backward)
         unit.wait()
 
     def begin_iteration(self) -> None:
@@ -183,14 +181,11 @@ class Stage3Scheduler:
         self.memory.release()
 
     def join_evaluation(self) -> None:
-        """This rank's evaluation loop ended: gather with the ranks still evaluating, unit by unit, until every rank's
-        loop has ended (collective). See [Note: evaluation loops of different lengths]."""
+        """This rank's evaluation loop ended: gather with the others until every rank's has (collective, see note)."""
         while (index := self.sequence.joined()) is not None:
-            unit = self.units[index]
-            self._start(unit, check=False)
-            unit.wait()
-            unit.reshard()
-            self.memory.release()
+            self._unshard(self.units[index], check=False)
+            self.units[index].reshard()
+        self.memory.release()
 
     def unshard_root(self) -> None:
         """Gather the root unit: Lightning's step methods use it without calling the root's forward."""
@@ -257,7 +252,6 @@ class Stage3Scheduler:
                 elif not unit.is_root:
                     self._outputs_need_no_gradient(unit, recomputing)
             elif not (recomputing or unit.is_root) and in_reentrant_checkpoint():  # backward runs it again
-                self.plan.drop_retained()
                 self.plan.record(unit)
                 unit.keep_secondary()
             if not recomputing and not (unit.is_root and torch.is_grad_enabled()):
@@ -269,10 +263,9 @@ class Stage3Scheduler:
     def _outputs_need_no_gradient(self, unit: GatherUnit, recomputing: bool) -> None:
         """A forward with gradients enabled whose outputs need none: see [Note: units recomputed without gradients]."""
         if recomputing:  # nothing else frees it
-            if not self._kept(unit):
+            if not self.plan.keeps(unit):
                 unit.reshard(keep=self.plan.pending)
         elif _may_be_recomputed():
-            self.plan.drop_retained()
             self.plan.record(unit)
             unit.keep_secondary()
 
@@ -286,7 +279,7 @@ class Stage3Scheduler:
             self.plan.inputs_hooked(unit)
 
     def _inputs_done(self, unit: GatherUnit) -> None:
-        if self.plan.inputs_done(unit) and not self._kept(unit):
+        if self.plan.inputs_done(unit) and not self.plan.keeps(unit):
             unit.reshard(keep=self.plan.pending)
 
     # ------------------------------------------------------------------ backward
@@ -295,7 +288,6 @@ class Stage3Scheduler:
         # every rank records the same units: [Note: divergent control flow at stage 3]
         self.sequence.check_plan([self._index[u] for u in self.plan.recorded])
         self.plan.open()
-        self._ahead = None
 
     def _track_pass(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -316,16 +308,16 @@ class Stage3Scheduler:
         if unit.is_root:
             self._unshard(unit)
             return
-        if unit is self._ahead:
-            self._ahead = None
+        if unit is self.plan.ahead:
+            self.plan.ahead = None
         elif self.plan.has_entry(unit):
             self._issue_up_to(unit)
         elif not self.plan.is_open:
             self._unshard(unit, backward=True)  # no backward was announced: gathered when needed (see the note)
         elif not unit.gathered_or_pending:
             raise _no_entry_error(unit, recompute)
-        if self.prefetch and self.plan.pending and self._ahead is None:  # one entry ahead of the unit reached
-            self._ahead = self._issue_next()
+        if self.prefetch and self.plan.pending and self.plan.ahead is None:  # one entry ahead of the unit reached
+            self.plan.ahead = self._issue_next()
             if self.plan.pending and not self.plan.peek().holds_secondary:
                 self.plan.peek().read_ahead()
         unit.wait()
@@ -333,7 +325,7 @@ class Stage3Scheduler:
     def _issue_up_to(self, unit: GatherUnit) -> None:
         """Issue the plan's entries up to ``unit``'s. The unit prefetched before (if any) and those entries were
         not reached: this rank's graph went past them (see [Note: units a backward passes over])."""
-        passed, self._ahead = [self._ahead] if self._ahead is not None else [], None
+        passed, self.plan.ahead = [self.plan.ahead] if self.plan.ahead is not None else [], None
         while (issued := self._issue_next()) is not unit:
             passed.append(issued)
         if passed:
@@ -352,14 +344,8 @@ class Stage3Scheduler:
         """Every trainable parameter of ``unit`` got its gradient in this pass: free it, if nothing else tells when
         its backward is over (its inputs need no gradient) and it holds nothing frozen (whose backward may come
         later) and no plan entry is left for it."""
-        if not (self._kept(unit) or unit.holds_frozen or unit.is_root):
+        if not (self.plan.keeps(unit) or unit.holds_frozen or unit.is_root):
             unit.reshard(keep=self.plan.pending)
-
-    def _kept(self, unit: GatherUnit) -> bool:
-        """Something still needs ``unit`` gathered in this backward: the plan (see :meth:`BackwardPlan.keeps`), or
-        the backward prefetch, which issued its next entry while it was gathered (a unit used again next: inside a
-        reentrant checkpoint and outside it) and must find it gathered when the backward reaches it."""
-        return self.plan.keeps(unit) or unit is self._ahead
 
     def finish_backward(self) -> None:
         """Issue the plan's remaining entries (units this rank's graph did not reach)."""
@@ -378,7 +364,6 @@ class Stage3Scheduler:
         [Note: a retained graph])."""
         self._running_task = None
         self.plan.close(retain)
-        self._ahead = None
         if not retain:
             self.grad_hooks.remove(spent_only=True)
         for unit in self.units if not self._root_held else self.units[:-1]:
